@@ -1,0 +1,75 @@
+"""Offline throughput: 64 prompts x 256 random tokens in, 128 out, greedy, ignore_eos.
+
+    python bench/offline.py --model DIR [--dtype float32|bfloat16] [--peer vllm]
+
+Prints output tokens/s for Tandem's engine. With --peer vllm it then runs the same workload through vLLM in
+its own virtualenv (VLLM_PYTHON, default /work/vllm-venv/bin/python) and prints both, measured back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workload  # noqa: E402
+
+
+def run_tandem(model: str, dtype: str, num_prompts: int, prompt_len: int, output_len: int,
+               max_num_batched_tokens: int) -> dict[str, float]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=num_prompts, max_num_batched_tokens=max_num_batched_tokens,
+              skip_tokenizer_init=True)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = workload.prompts(vocab, num_prompts, prompt_len)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_out == num_prompts * output_len, f"expected {num_prompts * output_len} tokens, got {num_out}"
+    return {"seconds": elapsed, "output_tokens": num_out, "output_tokens_per_s": num_out / elapsed}
+
+
+def run_peer(model: str, dtype: str, num_prompts: int, prompt_len: int, output_len: int,
+             max_num_batched_tokens: int) -> dict[str, float]:
+    python = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
+    script = Path(__file__).resolve().parent / "vllm_offline.py"
+    cmd = [python, str(script), "--model", model, "--dtype", dtype, "--num-prompts", str(num_prompts),
+           "--prompt-len", str(prompt_len), "--output-len", str(output_len),
+           "--max-num-batched-tokens", str(max_num_batched_tokens)]
+    result = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-prompts", type=int, default=workload.NUM_PROMPTS)
+    parser.add_argument("--prompt-len", type=int, default=workload.PROMPT_LEN)
+    parser.add_argument("--output-len", type=int, default=workload.OUTPUT_LEN)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--peer", choices=["vllm"], default=None)
+    args = parser.parse_args()
+    shape = (args.model, args.dtype, args.num_prompts, args.prompt_len, args.output_len,
+             args.max_num_batched_tokens)
+    results = {"tandem": run_tandem(*shape)}
+    if args.peer == "vllm":
+        results["vllm"] = run_peer(*shape)
+    for name, r in results.items():
+        print(f"{name:8s} {r['output_tokens_per_s']:9.1f} output tok/s  "
+              f"({r['output_tokens']} tokens in {r['seconds']:.2f} s)")
+    if len(results) == 2:
+        print(f"tandem / vllm = {results['tandem']['output_tokens_per_s'] / results['vllm']['output_tokens_per_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

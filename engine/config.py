@@ -1,0 +1,191 @@
+"""Engine configuration: what the user chose (EngineConfig) and what the model directory says (ModelConfig)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+class ModelConfigError(ValueError):
+    """The model directory is missing, incomplete or describes a model we cannot run."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: frozenset[int]
+    bos_token_id: int | None
+    config_dtype: str | None
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not path.is_dir():
+            raise ModelConfigError(f"model path {str(path)!r} is not a directory")
+        if not config_file.is_file():
+            raise ModelConfigError(f"model path {str(path)!r} has no config.json")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{config_file}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{config_file}: expected a JSON object")
+        return cls.from_dict(path, raw)
+
+    @classmethod
+    def from_dict(cls, path: Path, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in raw or raw[key] is None:
+                raise ModelConfigError(f"config.json lacks {key!r}")
+            return raw[key]
+
+        def positive(key: str, value: Any) -> int:
+            if not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+            return value
+
+        hidden = positive("hidden_size", need("hidden_size"))
+        num_heads = positive("num_attention_heads", need("num_attention_heads"))
+        num_kv_heads = positive("num_key_value_heads", raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ModelConfigError(f"num_attention_heads ({num_heads}) is not a multiple of "
+                                   f"num_key_value_heads ({num_kv_heads})")
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        positive("head_dim", head_dim)
+        if head_dim % 2:
+            raise ModelConfigError(f"head_dim must be even for RoPE, got {head_dim}")
+
+        sliding_window = raw.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            sliding_window = None  # Qwen2 configs carry a window they do not use unless asked
+        if arch in ("Qwen3ForCausalLM",) and not raw.get("use_sliding_window", False):
+            sliding_window = None
+
+        eos = raw.get("eos_token_id")
+        eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return cls(
+            path=path,
+            architecture=arch,
+            vocab_size=positive("vocab_size", need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=positive("intermediate_size", need("intermediate_size")),
+            num_layers=positive("num_hidden_layers", need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=positive("max_position_embeddings",
+                                             raw.get("max_position_embeddings", 4096)),
+            rope=_rope_config(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 always biases q/k/v (never o); the Llama family follows `attention_bias` for all four
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding_window,
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            config_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        )
+
+
+def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs have rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ModelConfigError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass
+class EngineConfig:
+    """The user's choices. Defaults mirror vLLM's where they make sense on a CPU."""
+
+    model: str
+    dtype: str = "auto"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None  # budget when num_kv_blocks is None
+    load_format: str = "auto"
+    seed: int = 0
+    attention_backend: str = "auto"
+    device: str = "auto"
+    hash_seed: str = "tandem"
+    skip_tokenizer_init: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, "
+                                                f"got {self.load_format!r}")
+        check(self.attention_backend in ATTENTION_BACKENDS,
+              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+              f"block_size must be a power of two, got {self.block_size}")
+        check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
+        check(self.max_num_seqs > 0, "max_num_seqs must be positive")
+        check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks must be positive")
+        check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")

@@ -1,0 +1,129 @@
+"""Paged attention: the metadata a step carries, the backend seam, and the plain-torch backend.
+
+KV cache layout (one tensor per rank, block-major so one block of every layer is one contiguous region and a run
+of blocks is one transfer descriptor):
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+A layer sees strided views `k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]`.
+Token `t` of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`; its flat
+slot is `block_id * block_size + offset`.
+
+A batch is ordered decodes first: the first `num_decodes` sequences have exactly one query token, so the
+backend can treat them as one batched gather, and the rest (prefill chunks) one by one.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is stored
+    query_start_loc: torch.Tensor  # [B+1] int32: sequence b's queries are rows [start[b], start[b+1])
+    seq_lens: torch.Tensor  # [B] int32: tokens of context (cached + new) after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    num_decodes: int  # sequences [0, num_decodes) have one query token each
+    # host copies, so the torch backend's per-sequence loop never syncs with the device
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+    sliding_window: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+
+class AttentionBackend(abc.ABC):
+    """Stores the step's new K/V into the paged cache and attends over it."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+
+
+def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Causal mask (with an optional sliding window, as transformers defines it: q - k < window)."""
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if sliding_window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    return allowed
+
+
+class TorchAttention(AttentionBackend):
+    """A clear implementation over the paged cache; the reference the Triton kernels are checked against."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                        meta.seq_lens[:nd], scale, meta.sliding_window)
+        starts = meta.query_start_loc_host
+        for b in range(nd, meta.num_seqs):
+            rows = slice(starts[b], starts[b + 1])
+            out[rows] = prefill_attention(q[rows], k_cache, v_cache, meta.block_tables[b],
+                                          meta.seq_lens_host[b], scale, meta.sliding_window)
+        return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    block_size = k_cache.shape[1]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first num_tokens of one sequence: [num_tokens, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-num_tokens // block_size)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_table: torch.Tensor, seq_len: int, scale: float,
+                      sliding_window: int | None) -> torch.Tensor:
+    """Causal attention of one sequence's last q.shape[0] tokens over its whole context. q: [Tq, Hq, D]."""
+    num_queries = q.shape[0]
+    keys = gather_context(k_cache, block_table, seq_len)
+    values = gather_context(v_cache, block_table, seq_len)
+    key_pos = torch.arange(seq_len, device=q.device)
+    mask = allowed_keys(key_pos[seq_len - num_queries:], key_pos, sliding_window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """One query token per sequence, all sequences at once. q: [B, Hq, D] -> [B, Hq, D]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    keys = k_cache[block_tables.long()].flatten(1, 2)  # [B, L, Hkv, D]
+    values = v_cache[block_tables.long()].flatten(1, 2)
+    qg = q.view(batch, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale
+    key_pos = torch.arange(keys.shape[1], device=q.device)
+    query_pos = (seq_lens.long() - 1)[:, None]
+    allowed = key_pos[None, :] <= query_pos
+    if sliding_window is not None:
+        allowed &= key_pos[None, :] > query_pos - sliding_window
+    scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

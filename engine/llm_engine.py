@@ -1,0 +1,175 @@
+"""The engine loop both node kinds run: requests in, one step at a time, tokens out.
+
+A step is three calls: `scheduler.schedule()` -> `runner.execute(batch)` -> `_update(batch, tokens)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.cache.kv_cache_manager import KVCacheManager
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer, decode_token
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampler import SampledToken
+from engine.scheduler import Scheduler
+from engine.tokenizer import load_tokenizer
+from engine.types import CompletionOutput, FinishReason, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step did to one request: the token it appended and whether that finished it."""
+
+    request_id: str
+    token_id: int
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.config = cfg
+        self.model_config = ModelConfig.from_path(cfg.model)
+        limit = self.model_config.max_position_embeddings
+        if cfg.max_model_len is not None and cfg.max_model_len > limit:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's context ({limit})")
+        self.max_model_len = cfg.max_model_len or limit
+        self.tokenizer = None if cfg.skip_tokenizer_init else load_tokenizer(self.model_config.path)
+        self.runner = ModelRunner(cfg, self.model_config, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 cfg.hash_seed)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._rng = random.Random(cfg.seed)
+        # a request can never hold more tokens than the context or the whole pool
+        self.max_tokens_per_request = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)
+
+    # ---- requests in ----
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this engine was started with skip_tokenizer_init")
+        return list(self.tokenizer.encode(prompt))
+
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        """Validates a prompt and parameters into a Request (not yet queued)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError("the engine runs one sample per request; fan out n > 1 before (LLM.generate does)")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids)
+        if params.greedy:
+            generator = None
+        else:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
+        eos = frozenset() if params.ignore_eos else self.model_config.eos_token_ids
+        return Request(request_id, token_ids, params, eos_token_ids=eos, prompt=text, generator=generator,
+                       max_num_tokens=self.max_tokens_per_request)
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_tokens_per_request:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, but this model's context holds {self.max_model_len} "
+                f"(max_model_len) and the KV cache {self.runner.num_blocks * self.config.block_size}; "
+                f"the prompt must leave room for at least one generated token")
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        request = self.make_request(request_id, prompt, params)
+        self.submit(request)
+        return request
+
+    def submit(self, request: Request) -> None:
+        """Queues a request made by make_request (or one whose prompt K/V already sits in its blocks)."""
+        self.requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.params)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+        if request is not None and not request.finished:
+            request.finish_reason = FinishReason.ABORT
+            self.scheduler.finish(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        sampled = self.runner.execute(batch)
+        self.scheduler.advance(batch)
+        outputs = []
+        for request_id, token in sampled.items():
+            request = self.requests[request_id]
+            finished = self._append(request, token)
+            if finished:
+                self.scheduler.finish(request)
+            outputs.append(StepOutput(request_id, token.token_id, finished))
+        return outputs
+
+    def _append(self, request: Request, token: SampledToken) -> bool:
+        """Appends a sampled token, detokenizes it and decides whether the request is done."""
+        request.token_ids.append(token.token_id)
+        if token.logprobs is not None and request.logprobs is not None:
+            if self.tokenizer is not None:
+                token.logprobs.update({tid: replace(lp, decoded_token=decode_token(self.tokenizer, tid))
+                                       for tid, lp in token.logprobs.items()})
+            request.logprobs.append(token.logprobs)
+            request.cumulative_logprob += token.logprobs[token.token_id].logprob
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None:
+            detok.push(token.token_id)
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token.token_id in request.eos_token_ids:
+                request.finish_reason = FinishReason.STOP
+            elif token.token_id in params.stop_token_ids:  # type: ignore[operator]
+                request.finish_reason, request.stop_reason = FinishReason.STOP, token.token_id
+            elif detok is not None and (stop := detok.check_stop()) is not None:
+                request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+        if request.finish_reason is None and (
+                request.num_tokens >= request.max_num_tokens
+                or (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)):
+            request.finish_reason = FinishReason.LENGTH
+        return request.finish_reason is not None
+
+    # ---- outputs ----
+    def output(self, request_id: str) -> CompletionOutput:
+        request = self.requests[request_id]
+        detok = self._detokenizers.get(request_id)
+        return CompletionOutput(
+            index=0,
+            text=detok.text if detok is not None else "",
+            token_ids=request.output_token_ids,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=request.logprobs,
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forgets a finished request once its output has been read."""
+        self.requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)

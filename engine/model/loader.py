@@ -1,0 +1,129 @@
+"""Builds a model from a Hugging Face directory: architecture lookup, safetensors (single or sharded) or dummy."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.config import ModelConfig, ModelConfigError
+from engine.model.llama import LlamaForCausalLM
+
+# Every supported architecture is a variant of one decoder; the differences live in ModelConfig.
+_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+# checkpoint name fragment -> (our fused parameter, shard index within it)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                load_format: str, seed: int) -> nn.Module:
+    with torch.device(device):
+        model = _ARCHITECTURES[cfg.architecture](cfg, max_positions)
+    model.to(dtype=dtype)
+    # the rotary table stays float32 whatever the weights are (transformers computes it in float32)
+    for module in model.modules():
+        if hasattr(module, "cos_sin"):
+            module.cos_sin = module.cos_sin.float()
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        load_weights(model, cfg)
+    return model.eval()
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights of the real shapes, for benchmarks: small uniform values keep activations finite."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            continue
+        cpu = torch.empty(param.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=generator)
+        param.data.copy_(cpu)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelConfigError(f"{index}: not a valid safetensors index ({e})") from e
+        files = sorted({path / name for name in weight_map.values()})
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise ModelConfigError(f"{path}: the index names shards that are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelConfigError(f"{path}: no *.safetensors weights found (only safetensors are supported)")
+    return files
+
+
+def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    params = dict(model.named_parameters())
+    # every (parameter, shard) the checkpoint must provide; shard None = the whole parameter
+    missing: set[tuple[str, int | None]] = set()
+    for name in params:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        num_shards = len(_shard_sizes(name, cfg)) if _is_fused(name) else 0
+        missing |= {(name, i) for i in range(num_shards)} if num_shards else {(name, None)}
+    for name, tensor in _checkpoint_tensors(cfg.path):
+        if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        target, shard = name, None
+        for fragment, (fused, index) in _STACKED.items():
+            if fragment in name:
+                target, shard = name.replace(fragment, fused), index
+                break
+        param = params.get(target)
+        if param is None:
+            raise ModelConfigError(f"checkpoint tensor {name!r} does not belong to {cfg.architecture}")
+        dest = param.data if shard is None else _shard_of(param.data, target, shard, cfg)
+        if dest.shape != tensor.shape:
+            raise ModelConfigError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                   f"the config implies {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        missing.discard((target, shard))
+    if missing:
+        names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
+        raise ModelConfigError(f"checkpoint lacks weights: {names[:5]}{' ...' if len(names) > 5 else ''}")
+
+
+def _is_fused(name: str) -> bool:
+    return ".qkv_proj." in name or ".gate_up_proj." in name
+
+
+def _shard_sizes(target: str, cfg: ModelConfig) -> list[int]:
+    if ".qkv_proj." in target:
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return [cfg.num_heads * cfg.head_dim, kv, kv]
+    return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+def _shard_of(data: torch.Tensor, target: str, shard: int, cfg: ModelConfig) -> torch.Tensor:
+    sizes = _shard_sizes(target, cfg)
+    return data.narrow(0, sum(sizes[:shard]), sizes[shard])

@@ -1,0 +1,137 @@
+"""The model runner: owns the model and the paged KV cache of one rank, turns a scheduled step into tensors,
+runs the forward pass and samples."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from engine.model.loader import build_model
+from engine.sampler import SampledToken, Sampler, SamplingRow
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_KV_BUDGET_BYTES = 2 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    dtype = _DTYPES.get(str(model.config_dtype).removeprefix("torch."), torch.float32)
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.bfloat16  # CPU half matmuls are slow and overflow-prone; bf16 keeps the range
+    return dtype
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    raise ValueError(f"attention_backend={name!r} is not available in this build; use 'torch'")
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
+        self.model_cfg = model_cfg
+        self.block_size = cfg.block_size
+        self.sliding_window = model_cfg.sliding_window
+        self.model = build_model(model_cfg, self.dtype, self.device, max_model_len, cfg.load_format, cfg.seed)
+        self.backend = make_attention_backend(cfg.attention_backend, self.device)
+        self.num_blocks = cfg.num_kv_blocks or self._default_num_blocks(cfg, max_model_len)
+        # [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]: see layers/attention.py
+        self.kv_cache = torch.zeros(
+            (self.num_blocks, model_cfg.num_layers, 2, self.block_size, model_cfg.num_kv_heads,
+             model_cfg.head_dim), dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(model_cfg.num_layers)]
+        self.sampler = Sampler()
+        logger.info("model %s on %s in %s, %d KV blocks of %d tokens", model_cfg.architecture, self.device,
+                    self.dtype, self.num_blocks, self.block_size)
+
+    @property
+    def block_bytes(self) -> int:
+        c = self.model_cfg
+        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+
+    def _default_num_blocks(self, cfg: EngineConfig, max_model_len: int) -> int:
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.85)
+        else:
+            budget = _CPU_KV_BUDGET_BYTES
+        # never more than every seat filled to the context limit
+        wanted = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
+        return max(1, min(wanted, budget // self.block_bytes))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Runs one step; returns the sampled token of each request whose step reached its last token."""
+        # decodes (one new token) first, so the attention backend can batch them
+        items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, sample_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        sampling = [item for item in items if item.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        rows = [self._sampling_row(item) for item in sampling]
+        tokens = self.sampler(logits, rows)
+        return {item.request.request_id: token for item, token in zip(sampling, tokens, strict=True)}
+
+    def _prepare(self, items: Sequence[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for item in items:
+            req = item.request
+            begin, end = req.num_computed_tokens, req.num_computed_tokens + item.num_new_tokens
+            input_ids.extend(req.token_ids[begin:end])
+            positions.extend(range(begin, end))
+            table = req.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
+            starts.append(len(input_ids))
+            seq_lens.append(end)
+            if item.samples:
+                sample_rows.append(len(input_ids) - 1)
+        max_blocks = max(len(item.request.block_ids) for item in items)
+        tables = [item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids)) for item in items]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            num_decodes=sum(1 for item in items if item.num_new_tokens == 1),
+            query_start_loc_host=starts,
+            seq_lens_host=seq_lens,
+            sliding_window=self.sliding_window,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows)
+
+    @staticmethod
+    def _sampling_row(item: ScheduledRequest) -> SamplingRow:
+        req = item.request
+        return SamplingRow(params=req.params, generator=req.generator, prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=req.output_token_ids, eos_token_ids=req.eos_token_ids)

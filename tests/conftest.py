@@ -1,0 +1,51 @@
+"""Shared pytest setup: offline Hugging Face, Triton's CPU interpreter, tiny model fixtures."""
+
+from __future__ import annotations
+
+import os
+
+# Before any other import: Triton reads TRITON_INTERPRET when it is imported, and the hub libraries read
+# the offline switches when they are imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import json  # noqa: E402
+from hashlib import sha256  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.fixtures.tiny_models import TinyModelFactory, build_tiny_model, train_tokenizer  # noqa: E402
+
+# Tiny models gain nothing from many threads, and parallel test workers would oversubscribe the CPU.
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny byte-level BPE tokenizer, trained once per session."""
+    out_dir = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> TinyModelFactory:
+    """``tiny_model(arch, **overrides) -> Path``: a tiny model directory, built once per arguments.
+
+    Overrides are those of ``build_tiny_model`` (``max_shard_size=`` and config fields).
+    """
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, Path] = {}
+
+    def make(arch: str, **overrides: Any) -> Path:
+        key = json.dumps({"arch": arch, **overrides}, sort_keys=True)
+        if key not in built:
+            out_dir = root / f"{arch}-{sha256(key.encode()).hexdigest()[:12]}"
+            built[key] = build_tiny_model(arch, out_dir, tokenizer_dir=tokenizer_dir, **overrides)
+        return built[key]
+
+    return make
