@@ -30,7 +30,8 @@ def main() -> None:
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, skip_tokenizer_init=True,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, seed=0)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, seed=0,
+              gpu_memory_utilization=0.5)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts(vocab, args.num_prompts,
                                                                            args.prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)

@@ -9,13 +9,14 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_token
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampler import SampledToken
 from engine.scheduler import Scheduler
@@ -23,6 +24,11 @@ from engine.tokenizer import load_tokenizer
 from engine.types import CompletionOutput, FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class PromptBlocks(NamedTuple):
+    block_ids: list[int]
+    num_cached_tokens: int  # leading prompt tokens already in this engine's prefix cache
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,11 @@ class LLMEngine:
             raise ValueError("text prompts need a tokenizer; this engine was started with skip_tokenizer_init")
         return list(self.tokenizer.encode(prompt))
 
-    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
-        """Validates a prompt and parameters into a Request (not yet queued)."""
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                     pin_blocks: bool = False) -> Request:
+        """Validates a prompt and parameters into a Request (not yet queued).
+
+        With pin_blocks, the request's K/V blocks outlive it until release_blocks(request_id)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
@@ -75,7 +84,7 @@ class LLMEngine:
             generator = torch.Generator().manual_seed(seed)
         eos = frozenset() if params.ignore_eos else self.model_config.eos_token_ids
         return Request(request_id, token_ids, params, eos_token_ids=eos, prompt=text, generator=generator,
-                       max_num_tokens=self.max_tokens_per_request)
+                       max_num_tokens=self.max_tokens_per_request, pin_blocks=pin_blocks)
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -90,25 +99,69 @@ class LLMEngine:
                 f"(max_model_len) and the KV cache {self.runner.num_blocks * self.config.block_size}; "
                 f"the prompt must leave room for at least one generated token")
 
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> Request:
-        request = self.make_request(request_id, prompt, params)
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                    pin_blocks: bool = False) -> Request:
+        request = self.make_request(request_id, prompt, params, pin_blocks)
         self.submit(request)
         return request
 
     def submit(self, request: Request) -> None:
-        """Queues a request made by make_request (or one whose prompt K/V already sits in its blocks)."""
+        """Queues a request made by make_request."""
+        self._track(request)
+        self.scheduler.add(request)
+
+    def _track(self, request: Request) -> None:
         self.requests[request.request_id] = request
         if self.tokenizer is not None:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, request.params)
+
+    # ---- requests whose prompt K/V was computed elsewhere (the decode node's path) ----
+    def reserve_prompt_blocks(self, request: Request) -> PromptBlocks | None:
+        """Gives a made (not submitted) request blocks for its whole prompt, reusing this engine's own prefix
+        cache. The caller fills blocks[num_cached_tokens // block_size:] and then calls admit_prefilled.
+        Returns None when the pool cannot hold the prompt now."""
+        cached = self.kv.find_cached_prefix(request)
+        num_cached = len(cached) * self.kv.block_size
+        if not self.kv.allocate(request, request.num_prompt_tokens - num_cached, cached):
+            return None
+        request.num_prompt_cached_tokens = num_cached
+        return PromptBlocks(list(request.block_ids), num_cached)
+
+    def admit_prefilled(self, request: Request, first_token: SampledToken | int) -> bool:
+        """Admits a request whose prompt K/V now sit in its reserved blocks, with the first token sampled
+        elsewhere. It joins the batch like any other: num_computed_tokens = len(prompt), one token to go.
+        Returns True when the first token already finished it."""
+        if isinstance(first_token, int):
+            first_token = SampledToken(first_token)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_computed_blocks(request)
+        self._track(request)
+        if self._append(request, first_token):
+            request.status = RequestStatus.RUNNING
+            self.scheduler.running.append(request)
+            self.scheduler.finish(request)
+            return True
         self.scheduler.add(request)
+        return False
 
     def abort(self, request_id: str) -> None:
+        """Ends a request wherever it is; its blocks (pinned or not) go back to the pool."""
         request = self.requests.pop(request_id, None)
         self._detokenizers.pop(request_id, None)
-        if request is not None and not request.finished:
+        if request is None:
+            return
+        if not request.finished:
             request.finish_reason = FinishReason.ABORT
             self.scheduler.finish(request)
+        elif request.block_ids:
+            self.kv.free(request)
+
+    def release_blocks(self, request_id: str) -> None:
+        """Frees the pinned blocks of a finished request and forgets it."""
+        request = self.requests.get(request_id)
+        if request is not None and request.finished:
+            self.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -125,7 +178,7 @@ class LLMEngine:
             request = self.requests[request_id]
             finished = self._append(request, token)
             if finished:
-                self.scheduler.finish(request)
+                self.scheduler.finish(request, free_blocks=not request.pin_blocks)
             outputs.append(StepOutput(request_id, token.token_id, finished))
         return outputs
 
@@ -153,6 +206,8 @@ class LLMEngine:
                 request.num_tokens >= request.max_num_tokens
                 or (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)):
             request.finish_reason = FinishReason.LENGTH
+        if request.finish_reason is not None and detok is not None:
+            detok.flush()  # a character left unfinished at the end shows as U+FFFD, as in a full decode
         return request.finish_reason is not None
 
     # ---- outputs ----
@@ -170,6 +225,9 @@ class LLMEngine:
         )
 
     def release(self, request_id: str) -> None:
-        """Forgets a finished request once its output has been read."""
+        """Forgets a finished request once its output has been read (pinned blocks stay pinned)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.pin_blocks and request.block_ids:
+            return
         self.requests.pop(request_id, None)
         self._detokenizers.pop(request_id, None)

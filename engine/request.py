@@ -33,6 +33,7 @@ class Request:
     prompt: str | None = None
     generator: torch.Generator | None = None
     max_num_tokens: int = 0  # context limit: the request finishes with LENGTH when it has this many tokens
+    pin_blocks: bool = False  # keep the K/V blocks after finishing, until released (a prefill node's ticket)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

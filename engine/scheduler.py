@@ -110,11 +110,12 @@ class Scheduler:
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_computed_blocks(item.request)
 
-    def finish(self, request: Request) -> None:
-        """Takes a request out (finished or aborted) and gives its blocks back."""
+    def finish(self, request: Request, free_blocks: bool = True) -> None:
+        """Takes a request out (finished or aborted) and, unless told to keep them, gives its blocks back."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.kv.free(request)
+        if free_blocks:
+            self.kv.free(request)
