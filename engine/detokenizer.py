@@ -140,7 +140,7 @@ class IncrementalDetokenizer:
             return self._stop_reason
         if not self._stop_strings or len(self._text) == self._num_checked_chars:
             return None
-        if False:
+        if self._num_output_tokens <= self._min_tokens:
             self._num_checked_chars = len(self._text)
             return None
         best: tuple[int, str] | None = None

@@ -127,7 +127,7 @@ def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
         # scatter_add_ rather than bincount: bincount must read the max id back to the host.
         ones = torch.ones_like(output_ids, dtype=torch.float32)
         counts = torch.zeros_like(row_logits).scatter_add_(0, output_ids, ones)
-        row_logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+        row_logits -= params.frequency_penalty * counts + 0
 
 
 def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""Sampling through the whole engine: seeds, n, stops, lengths, logprobs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from engine import LLM, FinishReason, SamplingParams
+from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: TinyModelFactory) -> LLM:
+    return LLM(model=str(tiny_model("llama")), dtype="float32", block_size=4)
+
+
+def prompts_of(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm: LLM) -> None:
+    target = prompts_of((7,), seed=1)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([target], seeded)[0].outputs[0].token_ids
+    others = prompts_of((3, 15, 8), seed=2)
+    batch = [others[0], target, others[1], others[2]]
+    params = [unseeded, seeded, unseeded, unseeded]
+    mixed = llm.generate(batch, params)[1].outputs[0].token_ids
+    reordered = llm.generate([target] + others, [seeded] + [unseeded] * 3)[0].outputs[0].token_ids
+    assert alone == mixed == reordered
+    different_seed = llm.generate([target], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12,
+                                                           seed=99, ignore_eos=True))[0]
+    assert different_seed.outputs[0].token_ids != alone
+
+
+def test_n_samples_are_distinct_and_reproducible(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7, ignore_eos=True)
+    first = llm.generate(prompts_of((5,)), params)[0]
+    again = llm.generate(prompts_of((5,)), params)[0]
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    samples = [tuple(o.token_ids) for o in first.outputs]
+    assert len(set(samples)) == 3
+    assert samples == [tuple(o.token_ids) for o in again.outputs]
+
+
+def test_n_greedy_samples_all_equal_the_greedy_continuation(llm: LLM, tiny_model: TinyModelFactory) -> None:
+    prompt = prompts_of((6,))[0]
+    out = llm.generate([prompt], SamplingParams(n=2, temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    expected = hf_greedy(tiny_model("llama"), [prompt], 5)[0]
+    assert [o.token_ids for o in out.outputs] == [expected, expected]
+
+
+def test_max_tokens_ends_with_length(llm: LLM) -> None:
+    out = llm.generate(prompts_of((4,)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3
+    assert out.outputs[0].finish_reason == FinishReason.LENGTH
+
+
+def test_stop_token_ids_end_generation_and_are_reported(llm: LLM, tiny_model: TinyModelFactory) -> None:
+    prompt = prompts_of((6,), seed=5)[0]
+    greedy = hf_greedy(tiny_model("llama"), [prompt], 8)[0]
+    stop_id = greedy[3]
+    first_at = greedy.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_id],
+                                                ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == greedy[:first_at + 1]
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop_id
+
+
+def test_min_tokens_defers_stop_token_ids(llm: LLM, tiny_model: TinyModelFactory) -> None:
+    prompt = prompts_of((6,), seed=5)[0]
+    greedy = hf_greedy(tiny_model("llama"), [prompt], 8)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8,
+                                                stop_token_ids=[greedy[0]], ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 8
+    assert greedy[0] not in out.token_ids  # suppressed while below min_tokens, not merely ignored
+
+
+def test_stop_strings_truncate_the_text(llm: LLM) -> None:
+    prompt = prompts_of((6,), seed=8)[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    text = full.text
+    stop = text[5:8]
+    assert len(stop) == 3 and text.find(stop) == 5
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop],
+                                                ignore_eos=True))[0].outputs[0]
+    assert out.text == text[:5]
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
+    kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=stop,
+                                                 include_stop_str_in_output=True, ignore_eos=True))[0]
+    assert kept.outputs[0].text == text[:8]
+
+
+def test_eos_ends_generation_unless_ignored(tiny_model: TinyModelFactory) -> None:
+    llm = LLM(model=str(tiny_model("llama")), dtype="float32")
+    eos = next(iter(llm.engine.model_config.eos_token_ids))
+    # make the EOS token the overwhelming favourite by raising its lm_head row
+    with torch.no_grad():
+        llm.engine.runner.model.lm_head.weight[eos] *= 50
+    prompt = prompts_of((5,))[0]
+    stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0]
+    assert stopped.token_ids[-1] == eos and stopped.finish_reason == FinishReason.STOP
+    ignored = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    assert len(ignored.outputs[0].token_ids) == 6
+
+
+def test_logprobs_are_raw_model_logprobs_with_ranks(llm: LLM) -> None:
+    prompt = prompts_of((5,))[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2,
+                                                ignore_eos=True))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 3
+    for token_id, position in zip(out.token_ids, out.logprobs, strict=True):
+        assert token_id in position and position[token_id].rank == 1  # greedy picks the top token
+        assert len(position) == 2  # the sampled token is also the top-1
+        assert all(lp.logprob <= 0 and lp.decoded_token is not None for lp in position.values())
+    total = sum(p[t].logprob for t, p in zip(out.token_ids, out.logprobs, strict=True))
+    assert out.cumulative_logprob is not None and math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
+
+
+def test_context_limit_ends_with_length(tiny_model: TinyModelFactory) -> None:
+    llm = LLM(model=str(tiny_model("llama")), dtype="float32", max_model_len=12)
+    out = llm.generate([prompts_of((9,))[0]], SamplingParams(temperature=0.0, max_tokens=None,
+                                                             ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == FinishReason.LENGTH
