@@ -127,7 +127,7 @@ def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
         # scatter_add_ rather than bincount: bincount must read the max id back to the host.
         ones = torch.ones_like(output_ids, dtype=torch.float32)
         counts = torch.zeros_like(row_logits).scatter_add_(0, output_ids, ones)
-        row_logits -= params.frequency_penalty * counts + 0
+        row_logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
 
 
 def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -148,8 +148,15 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     # noise from its own generator so its samples do not depend on the rest of the batch.
     noise = torch.empty_like(probs)
     for i, row in enumerate(rows):
-        assert row.generator is not None, "a random (temperature > 0) row needs a generator"
-        noise[i].exponential_(generator=row.generator)
+        generator = row.generator
+        assert generator is not None, "a random (temperature > 0) row needs a generator"
+        if generator.device == noise.device:
+            noise[i].exponential_(generator=generator)
+        else:
+            # Correct but slow (a host-side draw and a copy per row): give requests generators on the
+            # logits' device.
+            host_noise = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+            noise[i].copy_(host_noise.exponential_(generator=generator))
     # exponential_ can return exactly 0; 0/0 would be NaN, which argmax takes as the maximum.
     noise.clamp_min_(torch.finfo(torch.float32).tiny)
     return probs.div_(noise).argmax(dim=-1)

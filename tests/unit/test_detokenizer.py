@@ -90,7 +90,9 @@ def test_incremental_text_equals_full_decode_of_random_ids(
 
 def test_push_never_emits_a_partial_character(byte_level: PreTrainedTokenizerFast) -> None:
     output_ids = encode(byte_level, SAMPLE_TEXT)
-    detokenizer, pieces = detokenize(byte_level, encode(byte_level, PROMPT_TEXT), output_ids, SamplingParams())
+    detokenizer, pieces = detokenize(
+        byte_level, encode(byte_level, PROMPT_TEXT), output_ids, SamplingParams()
+    )
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
     assert pieces.count("") >= 3, "characters split across tokens should be held back"
     assert "".join(pieces) == detokenizer.text == SAMPLE_TEXT
@@ -205,7 +207,9 @@ def test_stop_string_ending_mid_token_drops_the_rest_of_that_token(
     assert detokenizer.text == SAMPLE_TEXT[: start + len(stop) if include_stop_str_in_output else start]
 
 
-def test_earliest_stop_string_wins_when_several_appear_in_one_check(byte_level: PreTrainedTokenizerFast) -> None:
+def test_earliest_stop_string_wins_when_several_appear_in_one_check(
+    byte_level: PreTrainedTokenizerFast,
+) -> None:
     output_ids = encode(byte_level, SAMPLE_TEXT)
     detokenizer, _ = detokenize(byte_level, [], output_ids, SamplingParams(stop=["the end", "Привет", "🙂"]))
     # Checked once after everything: every stop string is in the text, the earliest one counts.

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.sampler import SamplingRow, Sampler, process_logits
+from engine.sampler import Sampler, SamplingRow, process_logits
 from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -64,7 +64,9 @@ def test_untruncated_sampling_of_flat_logits_is_not_greedy() -> None:
     # Guards the test above against passing because sampling were greedy anyway.
     logits = torch.randn(32, 500, generator=torch.Generator().manual_seed(1)) * 0.01
     rows = [make_row(SamplingParams(temperature=1.0), seed=i) for i in range(32)]
-    assert sum(a == b for a, b in zip(sample_ids(logits, rows), logits.argmax(dim=-1).tolist(), strict=True)) < 5
+    assert (
+        sum(a == b for a, b in zip(sample_ids(logits, rows), logits.argmax(dim=-1).tolist(), strict=True)) < 5
+    )
 
 
 def test_seeded_row_samples_the_same_tokens_alone_or_in_any_batch() -> None:
@@ -76,9 +78,11 @@ def test_seeded_row_samples_the_same_tokens_alone_or_in_any_batch() -> None:
     def run(batch_before: int, batch_after: int) -> list[int]:
         generator = torch.Generator().manual_seed(1234)
         tokens = []
-        for step in range(8):
+        for _ in range(8):
             target = SamplingRow(params, generator, [1, 2, 3], tokens.copy(), frozenset())
-            others_before = [make_row(SamplingParams(temperature=1.3), seed=100 + i) for i in range(batch_before)]
+            others_before = [
+                make_row(SamplingParams(temperature=1.3), seed=100 + i) for i in range(batch_before)
+            ]
             others_after = [make_row(GREEDY) for _ in range(batch_after)]
             rows = [*others_before, target, *others_after]
             logits = torch.randn(len(rows), vocab)
@@ -114,7 +118,9 @@ def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
 
 def test_repetition_penalty_applies_before_frequency_and_presence() -> None:
     logits = torch.tensor([[4.0, -1.0, 0.0]])
-    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5)
+    params = SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5
+    )
     row = make_row(params, prompt=[1], output=[0, 0])
     # token 0: 4/2 - 1*2 - 0.5; token 1 (prompt only): -1*2
     expected = torch.tensor([[-0.5, -2.0, 0.0]])

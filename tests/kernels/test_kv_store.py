@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import reference
+from engine.kernels.kv_store import store_kv
+from tests.kernels.paged import make_cache
+
+gpu = pytest.mark.gpu
+
+
+def _check_store(num_tokens: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: str) -> None:
+    num_blocks = max(64, 2 * num_tokens // block_size)
+    cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    expected = cache.clone()
+    # k and v as strided views of a fused qkv projection, like the model produces them
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, device=device).to(dtype)
+    k, v = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    slots[::5] = -1  # padding tokens store nothing
+    store_kv(k, v, cache.k, cache.v, slots)
+    reference.store_kv(k, v, expected.k, expected.v, slots)
+    assert torch.equal(cache.kv, expected.kv)  # other layers untouched, stored rows exact
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_scatters_rows_into_their_slots_through_strided_views(block_size: int, dtype: torch.dtype
+                                                                       ) -> None:
+    _check_store(13, block_size, 2, 32, dtype, "cpu")
+
+
+def test_store_kv_handles_non_power_of_two_heads_and_dims() -> None:
+    _check_store(7, 16, 3, 24, torch.float32, "cpu")
+
+
+def test_store_kv_rejects_mismatched_shapes() -> None:
+    cache = make_cache(4, 4, 2, 16, torch.float32)
+    k = torch.randn(3, 2, 16)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        store_kv(k, k, cache.k, cache.v, torch.arange(4))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_store_kv_on_gpu_matches_reference(dtype: torch.dtype) -> None:
+    _check_store(4096, 16, 8, 128, dtype, "cuda")
