@@ -68,7 +68,8 @@ def main() -> None:
         print(f"{name:8s} {r['output_tokens_per_s']:9.1f} output tok/s  "
               f"({r['output_tokens']} tokens in {r['seconds']:.2f} s)")
     if len(results) == 2:
-        print(f"tandem / vllm = {results['tandem']['output_tokens_per_s'] / results['vllm']['output_tokens_per_s']:.2f}")
+        ratio = results["tandem"]["output_tokens_per_s"] / results["vllm"]["output_tokens_per_s"]
+        print(f"tandem / vllm = {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ class LLM:
         """Runs every prompt to completion. Prompts are strings or token-id lists; outputs keep their order.
 
         Every prompt is validated before any runs, so a bad one fails the call without partial work."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
 
         engine = self.engine
@@ -78,3 +76,10 @@ class LLM:
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
         return list(params)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a token-id list) or many."""
+    if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

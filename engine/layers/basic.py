@@ -52,6 +52,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table per position."""
 
+    cos_sin: torch.Tensor
+
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(rope, head_dim)

@@ -32,7 +32,7 @@ _STACKED = {
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                load_format: str, seed: int) -> nn.Module:
+                load_format: str, seed: int) -> LlamaForCausalLM:
     with torch.device(device):
         model = _ARCHITECTURES[cfg.architecture](cfg, max_positions)
     model.to(dtype=dtype)
