@@ -65,9 +65,7 @@ class IncrementalDetokenizer:
     ends the sequence should not be pushed unless its text belongs in the output (vLLM leaves it out).
     """
 
-    def __init__(
-        self, tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> None:
+    def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
         stop = params.stop
@@ -114,9 +112,7 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        prefix_text = _decode(
-            self._tokenizer, self._window_ids[: self._read_offset], self._skip_special_tokens
-        )
+        prefix_text = _decode(self._tokenizer, self._window_ids[: self._read_offset], self._skip_special_tokens)
         new_text = _decode(self._tokenizer, self._window_ids, self._skip_special_tokens)
         # Not longer: the token added no text (a skipped special token); keep it in the window for now.
         if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):

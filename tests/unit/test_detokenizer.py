@@ -90,9 +90,7 @@ def test_incremental_text_equals_full_decode_of_random_ids(
 
 def test_push_never_emits_a_partial_character(byte_level: PreTrainedTokenizerFast) -> None:
     output_ids = encode(byte_level, SAMPLE_TEXT)
-    detokenizer, pieces = detokenize(
-        byte_level, encode(byte_level, PROMPT_TEXT), output_ids, SamplingParams()
-    )
+    detokenizer, pieces = detokenize(byte_level, encode(byte_level, PROMPT_TEXT), output_ids, SamplingParams())
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
     assert pieces.count("") >= 3, "characters split across tokens should be held back"
     assert "".join(pieces) == detokenizer.text == SAMPLE_TEXT

@@ -64,9 +64,7 @@ def test_untruncated_sampling_of_flat_logits_is_not_greedy() -> None:
     # Guards the test above against passing because sampling were greedy anyway.
     logits = torch.randn(32, 500, generator=torch.Generator().manual_seed(1)) * 0.01
     rows = [make_row(SamplingParams(temperature=1.0), seed=i) for i in range(32)]
-    assert (
-        sum(a == b for a, b in zip(sample_ids(logits, rows), logits.argmax(dim=-1).tolist(), strict=True)) < 5
-    )
+    assert sum(a == b for a, b in zip(sample_ids(logits, rows), logits.argmax(dim=-1).tolist(), strict=True)) < 5
 
 
 def test_seeded_row_samples_the_same_tokens_alone_or_in_any_batch() -> None:
@@ -80,9 +78,7 @@ def test_seeded_row_samples_the_same_tokens_alone_or_in_any_batch() -> None:
         tokens = []
         for _ in range(8):
             target = SamplingRow(params, generator, [1, 2, 3], tokens.copy(), frozenset())
-            others_before = [
-                make_row(SamplingParams(temperature=1.3), seed=100 + i) for i in range(batch_before)
-            ]
+            others_before = [make_row(SamplingParams(temperature=1.3), seed=100 + i) for i in range(batch_before)]
             others_after = [make_row(GREEDY) for _ in range(batch_after)]
             rows = [*others_before, target, *others_after]
             logits = torch.randn(len(rows), vocab)
@@ -118,9 +114,7 @@ def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
 
 def test_repetition_penalty_applies_before_frequency_and_presence() -> None:
     logits = torch.tensor([[4.0, -1.0, 0.0]])
-    params = SamplingParams(
-        temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5
-    )
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5)
     row = make_row(params, prompt=[1], output=[0, 0])
     # token 0: 4/2 - 1*2 - 0.5; token 1 (prompt only): -1*2
     expected = torch.tensor([[-0.5, -2.0, 0.0]])
@@ -209,9 +203,7 @@ def _renormalized(weights: list[float]) -> list[float]:
     ],
     ids=["plain", "temperature 0.5", "top_k=2", "top_p=0.75", "top_p=0.85", "min_p=0.25"],
 )
-def test_sampled_frequencies_follow_the_processed_distribution(
-    params: SamplingParams, expected: list[float]
-) -> None:
+def test_sampled_frequencies_follow_the_processed_distribution(params: SamplingParams, expected: list[float]) -> None:
     logits = torch.tensor([PROBS]).log()
     row = make_row(params, seed=7)
     num_samples = 2000
