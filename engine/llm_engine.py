@@ -81,7 +81,8 @@ class LLMEngine:
             generator = None
         else:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            generator = torch.Generator().manual_seed(seed)
+            # on the logits' device: a CPU generator for GPU logits costs a copy per row and step
+            generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         eos = frozenset() if params.ignore_eos else self.model_config.eos_token_ids
         return Request(request_id, token_ids, params, eos_token_ids=eos, prompt=text, generator=generator,
                        max_num_tokens=self.max_tokens_per_request, pin_blocks=pin_blocks)
@@ -191,17 +192,20 @@ class LLMEngine:
                                        for tid, lp in token.logprobs.items()})
             request.logprobs.append(token.logprobs)
             request.cumulative_logprob += token.logprobs[token.token_id].logprob
-        detok = self._detokenizers.get(request.request_id)
-        if detok is not None:
-            detok.push(token.token_id)
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if token.token_id in request.eos_token_ids:
-                request.finish_reason = FinishReason.STOP
-            elif token.token_id in params.stop_token_ids:  # type: ignore[operator]
-                request.finish_reason, request.stop_reason = FinishReason.STOP, token.token_id
-            elif detok is not None and (stop := detok.check_stop()) is not None:
-                request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+        token_id = token.token_id
+        stop_ids = params.stop_token_ids or []
+        past_min = request.num_output_tokens >= params.min_tokens
+        stop_token = past_min and (token_id in request.eos_token_ids or token_id in stop_ids)
+        detok = self._detokenizers.get(request.request_id)
+        # as in vLLM, the text of an EOS or stop token is not part of the output unless asked for
+        if detok is not None and (not stop_token or params.include_stop_str_in_output):
+            detok.push(token_id)
+        if stop_token:
+            request.finish_reason = FinishReason.STOP
+            request.stop_reason = None if token_id in request.eos_token_ids else token_id
+        elif past_min and detok is not None and (stop := detok.check_stop()) is not None:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
         if request.finish_reason is None and (
                 request.num_tokens >= request.max_num_tokens
                 or (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)):

@@ -70,6 +70,8 @@ def test_stop_token_ids_end_generation_and_are_reported(llm: LLM, tiny_model: Ti
                                                 ignore_eos=True))[0].outputs[0]
     assert out.token_ids == greedy[:first_at + 1]
     assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop_id
+    # the stop token's text is left out, as in vLLM
+    assert out.text == llm.get_tokenizer().decode(out.token_ids[:-1], skip_special_tokens=True)
 
 
 def test_min_tokens_defers_stop_token_ids(llm: LLM, tiny_model: TinyModelFactory) -> None:
