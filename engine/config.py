@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +171,8 @@ class EngineConfig:
     device: str = "auto"
     hash_seed: str = "tandem"
     skip_tokenizer_init: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    enforce_eager: bool = False  # no CUDA graphs for decode
+    max_graph_batch_size: int = 256  # larger decode batches run eagerly
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:

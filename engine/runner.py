@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.model.loader import build_model
 from engine.sampler import SampledToken, Sampler, SamplingRow
@@ -35,12 +36,16 @@ def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.
     return dtype
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttention()
-    raise ValueError(f"attention_backend={name!r} is not available in this build; use 'torch'")
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    return ("triton" if device.type == "cuda" else "torch") if name == "auto" else name
+
+
+def make_attention_backend(name: str) -> AttentionBackend:
+    if name == "triton":
+        from engine.kernels.backend import TritonAttention  # needs triton: only when chosen
+
+        return TritonAttention()
+    return TorchAttention()
 
 
 class ModelRunner:
@@ -50,8 +55,13 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
         self.sliding_window = model_cfg.sliding_window
-        self.model = build_model(model_cfg, self.dtype, self.device, max_model_len, cfg.load_format, cfg.seed)
-        self.backend = make_attention_backend(cfg.attention_backend, self.device)
+        backend_name = resolve_attention_backend(cfg.attention_backend, self.device)
+        # the Triton layer kernels come with the Triton attention backend on a GPU; on CPU they would only
+        # run interpreted, which the kernel tests do on their own
+        fused = backend_name == "triton" and self.device.type == "cuda"
+        self.model = build_model(model_cfg, self.dtype, self.device, max_model_len, cfg.load_format, cfg.seed,
+                                 fused_kernels=fused)
+        self.backend = make_attention_backend(backend_name)
         self.num_blocks = cfg.num_kv_blocks or self._default_num_blocks(cfg, max_model_len)
         # [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]: see layers/attention.py
         self.kv_cache = torch.zeros(
@@ -59,6 +69,11 @@ class ModelRunner:
              model_cfg.head_dim), dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(model_cfg.num_layers)]
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
+                                       min(cfg.max_graph_batch_size, cfg.max_num_seqs),
+                                       -(-max_model_len // self.block_size), self.sliding_window)
         logger.info("model %s on %s in %s, %d KV blocks of %d tokens", model_cfg.architecture, self.device,
                     self.dtype, self.num_blocks, self.block_size)
 
@@ -85,7 +100,10 @@ class ModelRunner:
         # decodes (one new token) first, so the attention backend can batch them
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, sample_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if self.graphs is not None and meta.num_decodes == len(items) and self.graphs.bucket(len(items)):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         sampling = [item for item in items if item.samples]
         if not sampling:
             return {}

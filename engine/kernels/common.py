@@ -8,22 +8,31 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2_E = 1.0 / math.log(2.0)
+# Read once, as triton itself reads it at import.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 @triton.jit
-def attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+def attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                UPCAST: tl.constexpr):
     """One step of online softmax over a tile of keys, in the log2 domain.
 
     q: [M, D]; k, v: [N, D]; m_i, l_i: [M] running max and sum; acc: [M, D] float32, unnormalised.
     qk_scale already holds log2(e), so exp2 replaces exp. A row whose keys are all masked keeps
     m_i at its finite start value and adds nothing: no NaN from (-inf) - (-inf).
+    UPCAST: dot in float32 (the interpreter's tl.dot multiplies bf16 operands' raw bits).
     """
+    if UPCAST:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         scores = tl.where(allowed, scores, float("-inf"))
@@ -52,6 +61,11 @@ MAX_START: tl.constexpr = tl.constexpr(-1.0e30)
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs get exact dots (the default would be tf32 on GPUs); 16-bit inputs ignore this."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dots(device: torch.device) -> bool:
+    """Whether tl.dot must see float32 operands: under the interpreter (every CPU launch) it mishandles bf16."""
+    return INTERPRETED or device.type != "cuda"
 
 
 @functools.cache

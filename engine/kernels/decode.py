@@ -24,6 +24,7 @@ from engine.kernels.common import (
     load_kv_tile,
     num_sms,
     pad_dim,
+    upcast_dots,
 )
 
 
@@ -37,9 +38,11 @@ class DecodeConfig:
     partition_size: int | None = None  # fixed partition length (tests, tuning); overrides the two above
 
 
-def default_decode_config(device: torch.device) -> DecodeConfig:
+def default_decode_config(device: torch.device, dtype: torch.dtype) -> DecodeConfig:
     if device.type != "cuda":
         return DecodeConfig(block_n=32, min_partition=64)
+    if dtype == torch.float32:
+        return DecodeConfig(num_stages=2)  # float32 tiles are twice the bytes: fewer stages fit in shared memory
     return DecodeConfig()
 
 
@@ -55,7 +58,7 @@ def _decode_kernel(
     qk_scale, sliding_window, partition_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,7 +95,8 @@ def _decode_kernel(
             kv_mask = key_mask[:, None] & (dims[None, :] < HEAD_DIM)
         k = load_kv_tile(k_base, page, slot, stride_k_block, stride_k_slot, kv_mask, True)
         v = load_kv_tile(v_base, page, slot, stride_v_block, stride_v_slot, kv_mask, True)
-        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, key_mask[None, :], qk_scale, True, PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, key_mask[None, :], qk_scale, True, PRECISION,
+                                    UPCAST)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
@@ -162,7 +166,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
-    config = config or default_decode_config(q.device)
+    config = config or default_decode_config(q.device, q.dtype)
     max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page_size
     partition_size, num_parts = decode_partitions(config, q.device, batch, num_kv_heads, max_context)
     split = num_parts > 1
@@ -179,7 +183,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * LOG2_E, sliding_window or 0, partition_size,
         GROUP=group, GROUP_PAD=pad_dim(group), HEAD_DIM=head_dim, DIM_PAD=pad_dim(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, SLIDING=sliding_window is not None, SPLIT=split,
-        PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         _merge_kernel[(batch, num_heads)](

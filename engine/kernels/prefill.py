@@ -28,6 +28,7 @@ from engine.kernels.common import (
     dot_precision,
     load_kv_tile,
     pad_dim,
+    upcast_dots,
 )
 
 
@@ -58,6 +59,7 @@ def _prefill_kernel(
     qk_scale, sliding_window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -104,7 +106,8 @@ def _prefill_kernel(
             allowed = pos[:, None] - keys[None, :] < sliding_window
         else:
             allowed = None
-        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, SLIDING, PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, SLIDING, PRECISION,
+                                    UPCAST)
 
     # Stage 2: the diagonal, keys [tile_start, tile_start + BLOCK_M) under the causal mask.
     for key_start in range(tile_start, tl.minimum(tile_start + BLOCK_M, seq_len), BLOCK_N):
@@ -121,7 +124,7 @@ def _prefill_kernel(
         allowed = keys[None, :] <= pos[:, None]
         if SLIDING:
             allowed = allowed & (pos[:, None] - keys[None, :] < sliding_window)
-        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, True, PRECISION)
+        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, True, PRECISION, UPCAST)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_token + head * stride_o_head + dims[None, :] * stride_o_dim,
@@ -161,6 +164,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scale * LOG2_E, sliding_window or 0,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=pad_dim(head_dim), PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SLIDING=sliding_window is not None,
-        PRECISION=dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

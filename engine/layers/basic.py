@@ -11,21 +11,41 @@ from engine.config import RopeConfig
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm; with `fused`, a Triton kernel (GPU) instead of the torch ops."""
+
+    def __init__(self, size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from engine.kernels.layers import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         # Same order of operations as transformers: normalise in float32, cast back, then scale.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual): the residual add fused into the norm where kernels are on."""
+        if self.fused:
+            from engine.kernels.layers import rms_norm
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+            return rms_norm(x, self.weight, self.eps, residual)
+        summed = x + residual
+        return self.forward(summed), summed
+
+
+def silu_and_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """gate_up: [T, 2*I] (gate then up) -> [T, I]."""
+    if fused:
+        from engine.kernels.layers import silu_and_mul as fused_silu_and_mul
+
+        return fused_silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 
@@ -54,8 +74,9 @@ class RotaryEmbedding(nn.Module):
 
     cos_sin: torch.Tensor
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         inv_freq = rope_inv_freq(rope, head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         # cos_sin: [max_positions, head_dim] = cos of the half-dims, then sin
@@ -65,6 +86,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]."""
+        if self.fused:
+            from engine.kernels.layers import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
         cos = cos[:, None, :]
         sin = sin[:, None, :]

@@ -25,8 +25,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, rotary.fused) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, rotary.fused) if cfg.qk_norm else None
         self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
 
@@ -45,43 +45,53 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fused: bool) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rotary)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, rotary.fused)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream travels beside the layer output so each add fuses into the next norm:
+        returns (mlp_out, residual) with the block's output = mlp_out + residual."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, fused)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, fused_kernels: bool = False) -> None:
+        """fused_kernels: RMSNorm, RoPE and SiLU-and-mul as Triton kernels (the GPU path)."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions)
+        self.model = DecoderModel(cfg, max_positions, fused_kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -91,9 +101,11 @@ class LlamaForCausalLM(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta, backend)
+        assert residual is not None, "a model has at least one layer"
+        return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

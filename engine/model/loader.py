@@ -32,9 +32,9 @@ _STACKED = {
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                load_format: str, seed: int) -> LlamaForCausalLM:
+                load_format: str, seed: int, fused_kernels: bool = False) -> LlamaForCausalLM:
     with torch.device(device):
-        model = _ARCHITECTURES[cfg.architecture](cfg, max_positions)
+        model = _ARCHITECTURES[cfg.architecture](cfg, max_positions, fused_kernels)
     model.to(dtype=dtype)
     # the rotary table stays float32 whatever the weights are (transformers computes it in float32)
     for module in model.modules():

@@ -146,3 +146,18 @@ def test_bfloat16_runs_close_to_float32(tiny_model: TinyModelFactory) -> None:
     tokens = greedy_tokens(bf16, prompts)
     # bf16 may flip a near-tie later on; the first tokens must agree
     assert [t[:2] for t in tokens] == [t[:2] for t in reference]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_backend_interpreted_matches_transformers(tiny_model: TinyModelFactory, arch: str) -> None:
+    """The real Triton attention kernels, run by Triton's CPU interpreter, through the whole engine:
+    prefill chunks with a cached prefix, then batched decode."""
+    model = tiny_model(arch)
+    llm = LLM(model=str(model), dtype="float32", block_size=4, max_num_batched_tokens=8,
+              attention_backend="triton")
+    assert type(llm.engine.runner.backend).__name__ == "TritonAttention"
+    prompts = mixed_prompts(llm.engine.model_config.vocab_size, lengths=(3, 11))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert greedy_tokens(llm, prompts, params) == hf_greedy(model, prompts, 4)
+    again = llm.generate(prompts[1:], params)[0]  # served partly from the prefix cache
+    assert again.num_cached_tokens == 8 and again.outputs[0].token_ids == hf_greedy(model, prompts[1:], 4)[0]

@@ -1,0 +1,80 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with inputs copied into static
+buffers. A decode step of a small batch is dominated by kernel launches; a graph replays them all at once.
+
+Rows past the real batch are padding: token 0 at position 0, slot -1 (store_kv skips it) and seq_len 0
+(decode attention writes a zero row), so they touch no real block.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_batch (max_batch itself always included)."""
+    buckets = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+    return sorted(set(buckets))
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 backend: AttentionBackend, max_batch: int, max_blocks_per_seq: int,
+                 sliding_window: int | None) -> None:
+        device = model.lm_head.weight.device
+        dtype = model.lm_head.weight.dtype
+        self.max_batch = max_batch
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros(max_batch, model.config.hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = None
+        # largest first, so the smaller graphs fit in the memory pool the largest one made
+        for batch in reversed(batch_buckets(max_batch)):
+            meta = self._metadata(batch, sliding_window)
+            args = (self.input_ids[:batch], self.positions[:batch], kv_caches, meta, backend)
+            self.hidden[:batch] = model(*args)  # warm-up: compiles kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[:batch] = model(*args)
+            pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize(device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+
+    def _metadata(self, batch: int, sliding_window: int | None) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[:batch + 1],
+            seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch], num_decodes=batch,
+            query_start_loc_host=list(range(batch + 1)), seq_lens_host=[0] * batch,
+            sliding_window=sliding_window)
+
+    def bucket(self, batch: int) -> int | None:
+        return next((b for b in sorted(self.graphs) if b >= batch), None)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replays the graph of the smallest bucket that holds the batch; returns hidden states [B, hidden]."""
+        batch = input_ids.shape[0]
+        bucket = self.bucket(batch)
+        assert bucket is not None and meta.block_tables.shape[1] <= self.max_blocks_per_seq, "batch too big"
+        self.input_ids[:batch].copy_(input_ids)
+        self.positions[:batch].copy_(positions)
+        self.slot_mapping[:batch].copy_(meta.slot_mapping)
+        self.slot_mapping[batch:bucket].fill_(-1)
+        self.seq_lens[:batch].copy_(meta.seq_lens)
+        self.seq_lens[batch:bucket].zero_()
+        self.block_tables[:bucket].zero_()
+        self.block_tables[:batch, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.graphs[bucket].replay()
+        return self.hidden[:batch]
