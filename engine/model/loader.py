@@ -48,13 +48,13 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights of the real shapes, for benchmarks: small uniform values keep activations finite."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the real shapes, for benchmarks: small uniform values keep activations finite.
+    Drawn on the weights' own device (an 8B model drawn on the host would take minutes)."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name:
-            continue
-        cpu = torch.empty(param.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=generator)
-        param.data.copy_(cpu)
+        if "norm" not in name:
+            param.data.uniform_(-0.02, 0.02, generator=generator)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
