@@ -107,7 +107,9 @@ class ModelRunner:
         sampling = [item for item in items if item.samples]
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if len(sample_rows) < hidden.shape[0]:  # only rows that reach the end of their tokens need logits
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         rows = [self._sampling_row(item) for item in sampling]
         tokens = self.sampler(logits, rows)
         return {item.request.request_id: token for item, token in zip(sampling, tokens, strict=True)}

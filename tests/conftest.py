@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 
-# Before any other import: Triton reads TRITON_INTERPRET when it is imported, and the hub libraries read
-# the offline switches when they are imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402  (imports no triton)
+
+# Before triton is imported (it reads TRITON_INTERPRET then): with no GPU, kernels run in Triton's CPU
+# interpreter; with one, they compile for it. The hub libraries read the offline switches on import too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
@@ -16,7 +19,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from tests.fixtures.tiny_models import TinyModelFactory, build_tiny_model, train_tokenizer  # noqa: E402
 

@@ -35,9 +35,10 @@ from engine.kernels.common import (
 @dataclass(frozen=True)
 class PrefillConfig:
     block_m: int = 128  # query positions per program
-    block_n: int = 64  # keys per tile; must divide block_m
+    block_n: int = 128  # keys per tile; must divide block_m
     num_warps: int = 8
     num_stages: int = 3
+    warp_specialize: bool = False  # Triton's automatic warp specialization of the main loop (experimental)
 
 
 def default_prefill_config(device: torch.device, dtype: torch.dtype) -> PrefillConfig:
@@ -46,6 +47,25 @@ def default_prefill_config(device: torch.device, dtype: torch.dtype) -> PrefillC
     if dtype == torch.float32:
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     return PrefillConfig()
+
+
+@triton.jit
+def _attend_earlier_keys(q, m_i, l_i, acc, key_start, pos, table, k_base, v_base, stride_k_block, stride_k_slot,
+                         stride_v_block, stride_v_slot, dim_mask, qk_scale, sliding_window,
+                         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """Stage 1 step: keys [key_start, key_start + BLOCK_N), all before the query tile, so no causal mask."""
+    keys = key_start + tl.arange(0, BLOCK_N)
+    page = tl.load(table + keys // PAGE_SIZE).to(tl.int64)
+    slot = keys % PAGE_SIZE
+    k = load_kv_tile(k_base, page, slot, stride_k_block, stride_k_slot, dim_mask, DIM_PAD != HEAD_DIM)
+    v = load_kv_tile(v_base, page, slot, stride_v_block, stride_v_slot, dim_mask, DIM_PAD != HEAD_DIM)
+    if SLIDING:
+        allowed = pos[:, None] - keys[None, :] < sliding_window
+    else:
+        allowed = None
+    return attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, SLIDING, PRECISION, UPCAST)
 
 
 @triton.jit
@@ -59,7 +79,7 @@ def _prefill_kernel(
     qk_scale, sliding_window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -96,18 +116,18 @@ def _prefill_kernel(
     lo = 0
     if SLIDING:
         lo = tl.maximum(tile_start - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
-    for key_start in range(lo, tile_start, BLOCK_N):
-        keys = key_start + tl.arange(0, BLOCK_N)
-        page = tl.load(table + keys // PAGE_SIZE).to(tl.int64)
-        slot = keys % PAGE_SIZE
-        k = load_kv_tile(k_base, page, slot, stride_k_block, stride_k_slot, dim_mask, DIM_PAD != HEAD_DIM)
-        v = load_kv_tile(v_base, page, slot, stride_v_block, stride_v_slot, dim_mask, DIM_PAD != HEAD_DIM)
-        if SLIDING:
-            allowed = pos[:, None] - keys[None, :] < sliding_window
-        else:
-            allowed = None
-        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, SLIDING, PRECISION,
-                                    UPCAST)
+    if WARP_SPECIALIZE:
+        for key_start in tl.range(lo, tile_start, BLOCK_N, warp_specialize=True):
+            m_i, l_i, acc = _attend_earlier_keys(
+                q, m_i, l_i, acc, key_start, pos, table, k_base, v_base, stride_k_block, stride_k_slot,
+                stride_v_block, stride_v_slot, dim_mask, qk_scale, sliding_window,
+                HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, SLIDING, PRECISION, UPCAST)
+    else:
+        for key_start in range(lo, tile_start, BLOCK_N):
+            m_i, l_i, acc = _attend_earlier_keys(
+                q, m_i, l_i, acc, key_start, pos, table, k_base, v_base, stride_k_block, stride_k_slot,
+                stride_v_block, stride_v_slot, dim_mask, qk_scale, sliding_window,
+                HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, SLIDING, PRECISION, UPCAST)
 
     # Stage 2: the diagonal, keys [tile_start, tile_start + BLOCK_M) under the causal mask.
     for key_start in range(tile_start, tl.minimum(tile_start + BLOCK_M, seq_len), BLOCK_N):
@@ -165,6 +185,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=pad_dim(head_dim), PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SLIDING=sliding_window is not None,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.device),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
