@@ -46,7 +46,8 @@ def run_peer(model: str, dtype: str, num_prompts: int, prompt_len: int, output_l
            "--prompt-len", str(prompt_len), "--output-len", str(output_len),
            "--max-num-batched-tokens", str(max_num_batched_tokens)]
     result = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too: the result is the last JSON line
+    return json.loads(next(line for line in reversed(result.stdout.splitlines()) if line.startswith("{")))
 
 
 def main() -> None:

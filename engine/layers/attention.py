@@ -96,30 +96,33 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       sliding_window: int | None) -> torch.Tensor:
     """Causal attention of one sequence's last q.shape[0] tokens over its whole context. q: [Tq, Hq, D]."""
     num_queries = q.shape[0]
-    keys = gather_context(k_cache, block_table, seq_len).transpose(0, 1)
-    values = gather_context(v_cache, block_table, seq_len).transpose(0, 1)
-    # An explicit mask, even without a cached prefix: with enable_gqa, SDPA's is_causal path is ~3x slower
-    # on CPU (torch 2.13).
+    keys = gather_context(k_cache, block_table, seq_len)
+    values = gather_context(v_cache, block_table, seq_len)
     key_pos = torch.arange(seq_len, device=q.device)
     mask = allowed_keys(key_pos[seq_len - num_queries:], key_pos, sliding_window)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+    # 4-D [1, H, T, D] inputs: with 3-D ones SDPA takes its slow math path on CPU (~7x slower)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                         values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                          enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      sliding_window: int | None) -> torch.Tensor:
     """One query token per sequence, all sequences at once. q: [B, Hq, D] -> [B, Hq, D]."""
-    # gather every sequence's blocks (padded to the longest) as [B, Hkv, L, D] views
-    keys = k_cache[block_tables.long()].flatten(1, 2).transpose(1, 2)
-    values = v_cache[block_tables.long()].flatten(1, 2).transpose(1, 2)
-    key_pos = torch.arange(keys.shape[2], device=q.device)
+    batch = block_tables.shape[0]
+    flat_table = block_tables.reshape(-1).long()
+    # index_select along blocks is a memcpy per block and leaves [B, L, Hkv, D] contiguous (gathering K and
+    # V in one op is no cheaper: splitting them afterwards costs another copy)
+    keys = k_cache.index_select(0, flat_table).view(batch, -1, *k_cache.shape[2:])
+    values = v_cache.index_select(0, flat_table).view(batch, -1, *v_cache.shape[2:])
+    key_pos = torch.arange(keys.shape[1], device=q.device)
     query_pos = (seq_lens.long() - 1)[:, None]
     allowed = key_pos[None, :] <= query_pos
     if sliding_window is not None:
         allowed &= key_pos[None, :] > query_pos - sliding_window
     # SDPA's fused CPU kernel beats an einsum formulation 2-3x here and accumulates in float32
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=allowed[:, None, None],
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=allowed[:, None, None], scale=scale, enable_gqa=True)
     return out[:, :, 0]
