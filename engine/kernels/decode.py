@@ -33,7 +33,12 @@ class DecodeConfig:
     block_n: int = 64  # keys per tile
     num_warps: int = 4
     num_stages: int = 3
-    programs_per_sm: int = 8  # how many programs to aim for, per multiprocessor, when choosing partitions
+    # How many programs to aim for, per multiprocessor, when choosing partitions; fewer once the batch alone
+    # (sequences x kv heads) gives every multiprocessor a program, where extra splits cost more than they
+    # balance (H200, bench/results/KERNEL-NOTES.md: batch 64 x 1k context at 83% of read bandwidth with
+    # 3 partitions, 89% with 2).
+    programs_per_sm: int = 8
+    programs_per_sm_large_batch: int = 4
     min_partition: int = 256  # never split the context finer than this many tokens
     partition_size: int | None = None  # fixed partition length (tests, tuning); overrides the two above
 
@@ -135,15 +140,17 @@ def _merge_kernel(
              merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def decode_partitions(config: DecodeConfig, device: torch.device, batch: int, num_kv_heads: int,
+def decode_partitions(config: DecodeConfig, num_multiprocessors: int, batch: int, num_kv_heads: int,
                       max_context: int) -> tuple[int, int]:
     """(partition_size, num_partitions) covering max_context tokens, enough programs to fill the device."""
     if config.partition_size is not None:
         size = config.partition_size
     else:
-        target = config.programs_per_sm * num_sms(device)
+        base = batch * num_kv_heads
+        per_sm = config.programs_per_sm if base < num_multiprocessors else config.programs_per_sm_large_batch
+        target = per_sm * num_multiprocessors
         most = max(1, triton.cdiv(max_context, config.min_partition))
-        parts = min(max(1, triton.cdiv(target, batch * num_kv_heads)), most)
+        parts = min(max(1, triton.cdiv(target, base)), most)
         size = triton.cdiv(triton.cdiv(max_context, parts), config.block_n) * config.block_n
     return size, max(1, triton.cdiv(max_context, size))
 
@@ -168,7 +175,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     config = config or default_decode_config(q.device, q.dtype)
     max_context = max_seq_len if max_seq_len is not None else block_tables.shape[1] * page_size
-    partition_size, num_parts = decode_partitions(config, q.device, batch, num_kv_heads, max_context)
+    partition_size, num_parts = decode_partitions(config, num_sms(q.device), batch, num_kv_heads, max_context)
     split = num_parts > 1
     group = num_heads // num_kv_heads
     if split:

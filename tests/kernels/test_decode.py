@@ -63,16 +63,17 @@ def test_decode_zero_length_sequence_gives_zeros() -> None:
 
 
 def test_decode_partitions_fill_the_device_and_cover_the_context() -> None:
-    config = DecodeConfig(programs_per_sm=4, min_partition=256, block_n=64)
-    # one sequence, 8 kv heads, 132 multiprocessors: ~66 partitions wanted, 32k / 256 allows 128
-    size, parts = decode_partitions(config, torch.device("cuda"), 1, 8, 32768) if torch.cuda.is_available() \
-        else (None, None)
-    if size is not None:
-        assert size * parts >= 32768 and size % 64 == 0
-    size, parts = decode_partitions(DecodeConfig(partition_size=100), torch.device("cpu"), 2, 2, 1000)
-    assert (size, parts) == (100, 10)
-    size, parts = decode_partitions(DecodeConfig(), torch.device("cpu"), 1, 1, 1000)
-    assert size * parts >= 1000
+    config = DecodeConfig(programs_per_sm=8, min_partition=256, block_n=64)
+    # one sequence, 8 kv heads on 132 multiprocessors: 132 partitions wanted, capped at 32k / 256 = 128
+    assert decode_partitions(config, 132, 1, 8, 32768) == (256, 128)
+    # once the batch gives every multiprocessor a program, aim for 4 per multiprocessor instead of 8
+    assert decode_partitions(config, 132, 64, 8, 1024) == (512, 2)
+    # a batch that already fills the device is not split
+    assert decode_partitions(config, 132, 256, 8, 1024) == (1024, 1)
+    # sizes are whole tiles and cover the context
+    size, parts = decode_partitions(config, 132, 8, 8, 8000)
+    assert size % 64 == 0 and size * parts >= 8000 and size * (parts - 1) < 8000
+    assert decode_partitions(DecodeConfig(partition_size=100), 132, 2, 2, 1000) == (100, 10)
 
 
 @gpu

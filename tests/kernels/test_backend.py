@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.backend import TritonAttention
+from engine.layers.attention import AttentionMetadata, TorchAttention
+from tests.kernels.paged import TOLERANCE, int32, make_block_tables, make_cache, relative_error
+
+gpu = pytest.mark.gpu
+
+
+def _step(query_lens: list[int], seq_lens: list[int], num_decodes: int, block_size: int, num_blocks: int,
+          sliding_window: int | None, device: str) -> AttentionMetadata:
+    """Metadata of one engine step: decodes first (one query each), then prefill chunks."""
+    assert all(n == 1 for n in query_lens[:num_decodes])
+    block_tables = make_block_tables(seq_lens, block_size, num_blocks, device)
+    starts = [sum(query_lens[:b]) for b in range(len(query_lens) + 1)]
+    slots = []
+    for b, (num_queries, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        for pos in range(seq_len - num_queries, seq_len):
+            slots.append(int(block_tables[b, pos // block_size]) * block_size + pos % block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=int32(starts, device), seq_lens=int32(seq_lens, device), block_tables=block_tables,
+        num_decodes=num_decodes, query_start_loc_host=starts, seq_lens_host=seq_lens,
+        sliding_window=sliding_window,
+    )
+
+
+def _check_backend(query_lens: list[int], seq_lens: list[int], num_decodes: int, num_heads: int,
+                   num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                   sliding_window: int | None, device: str) -> None:
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 8
+    torch_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    triton_cache = torch_cache.clone()
+    meta = _step(query_lens, seq_lens, num_decodes, block_size, num_blocks, sliding_window, device)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, device=device).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
+    scale = head_dim ** -0.5
+    expected = TorchAttention().forward(q, k, v, torch_cache.k, torch_cache.v, meta, scale)
+    out = TritonAttention().forward(q, k, v, triton_cache.k, triton_cache.v, meta, scale)
+    assert torch.equal(triton_cache.kv, torch_cache.kv)
+    assert relative_error(out.float(), expected.float()) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("sliding_window", [None, 9])
+def test_triton_backend_matches_torch_backend_on_a_mixed_step(sliding_window: int | None) -> None:
+    # two decodes, a fresh prompt, a prefix-cache hit and a later chunk of a chunked prefill
+    _check_backend([1, 1, 13, 5, 8], [21, 4, 13, 30, 24], 2, 4, 2, 32, 4, torch.float32, sliding_window, "cpu")
+
+
+def test_triton_backend_decode_only_and_prefill_only_steps() -> None:
+    _check_backend([1, 1, 1], [3, 17, 40], 3, 4, 1, 32, 16, torch.float32, None, "cpu")
+    _check_backend([6, 10], [6, 19], 0, 2, 2, 32, 16, torch.float32, None, "cpu")
+
+
+def test_triton_backend_bf16() -> None:
+    _check_backend([1, 9], [33, 20], 1, 4, 2, 32, 16, torch.bfloat16, None, "cpu")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("sliding_window", [None, 512])
+def test_triton_backend_on_gpu_matches_torch_backend(dtype: torch.dtype, sliding_window: int | None) -> None:
+    query_lens = [1] * 16 + [2000, 700, 512]
+    seq_lens = [100 * i + 1 for i in range(1, 17)] + [2000, 3100, 4096]
+    _check_backend(query_lens, seq_lens, 16, 32, 8, 128, 16, dtype, sliding_window, "cuda")
