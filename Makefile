@@ -2,21 +2,32 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: setup test lint typecheck unit serve clean
+.PHONY: setup test lint unit protos serve clean
 
 # Idempotent: re-running only re-checks what is installed.
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
+	# Mooncake's wheels link libibverbs.so.1. Never with recommends: the ibverbs providers make UCX/NIXL crash at exit.
+	@ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1; \
+	  else echo "warning: libibverbs1 is missing: the Mooncake KV backend will not load"; fi; }
 	# torch before anything that depends on it, so pip takes the local CPU wheel.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,kv-cpu]'
 	touch $@
 
+PACKAGES := engine kvtransfer protos node_common prefill_node decode_node proxy
+
 lint: setup
-	$(VENV)/bin/ruff check engine tests bench
-	$(VENV)/bin/mypy engine
+	$(VENV)/bin/ruff check $(PACKAGES) tests bench
+	$(VENV)/bin/mypy $(PACKAGES)
+
+# regenerate the gRPC stubs after editing protos/*.proto (a test fails while they are stale)
+protos: setup
+	$(PY) -m protos.generate
 
 unit: setup
 	$(PY) -m pytest -q

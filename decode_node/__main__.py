@@ -1,0 +1,40 @@
+"""python -m decode_node --model DIR --port N [--kv-backend nixl|mooncake] [engine flags]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from decode_node.clients import PrefillLeaseClient
+from decode_node.loop import DecodeLoop
+from decode_node.service import DecodeService
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from node_common.kv import kv_layout, open_connector
+from node_common.options import add_node_args, engine_config, node_id
+from node_common.server import serve, setup_logging
+from protos import tandem_pb2_grpc
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m decode_node", description=__doc__)
+    add_node_args(parser)
+    args = parser.parse_args()
+    setup_logging(args.log_level)
+    name = node_id(args, "decode")
+    engine = LLMEngine(engine_config(args))
+    connector, region, _ = open_connector(engine, args.kv_backend, args.host, name)
+    async_engine = AsyncEngine(engine)
+    async_engine.add_ticker(lambda _: connector.progress())
+    # test hook: flip a byte of every pulled block, to prove the checksum catches corruption
+    corrupt = os.environ.get("TANDEM_TEST_CORRUPT_KV") == "1"
+    loop = DecodeLoop(async_engine, connector, region, kv_layout(engine).layout_hash, PrefillLeaseClient(),
+                      corrupt_transfers=corrupt)
+    service = DecodeService(loop, async_engine, name, args.model, args.kv_backend)
+    asyncio.run(serve(async_engine, lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(
+        service, server), args.host, args.port, connector.close))
+
+
+if __name__ == "__main__":
+    main()

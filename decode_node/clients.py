@@ -1,0 +1,47 @@
+"""gRPC clients the decode node uses: lease calls to prefill nodes."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from kvtransfer import KVTicket
+from protos import tandem_pb2 as pb
+from protos import tandem_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+
+
+class PrefillLeaseClient:
+    """Extends and releases tickets on the prefill node that issued them (one channel per address)."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tandem_pb2_grpc.PrefillServiceStub] = {}
+
+    def _stub(self, address: str) -> tandem_pb2_grpc.PrefillServiceStub:
+        if address not in self._stubs:
+            self._stubs[address] = tandem_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(address))
+        return self._stubs[address]
+
+    async def extend(self, address: str, ticket: KVTicket, seconds: float) -> bool:
+        ref = pb.TicketRef(ticket_id=ticket.ticket_id, incarnation=ticket.incarnation)
+        try:
+            response = await self._stub(address).ExtendLease(pb.ExtendLeaseRequest(ticket=ref, seconds=seconds),
+                                                             timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("extending ticket %s on %s failed: %s", ticket.ticket_id, address, e.details())
+            return False
+        return bool(response.ok)
+
+    async def release(self, address: str, ticket: KVTicket) -> bool:
+        ref = pb.TicketRef(ticket_id=ticket.ticket_id, incarnation=ticket.incarnation)
+        try:
+            response = await self._stub(address).Release(ref, timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            # the lease frees the blocks on P anyway
+            logger.warning("releasing ticket %s on %s failed: %s", ticket.ticket_id, address, e.details())
+            return False
+        return bool(response.ok)

@@ -1,0 +1,209 @@
+"""The decode node's request lifecycle, around the engine thread. No gRPC here (service.py is the edge).
+
+A request's life on a decode node (D):
+1. `Generate` arrives with a KV ticket and the first token. The ticket must match this node's KV layout.
+2. D asks the prefill node (P) to extend the ticket's lease: a ticket that is not live there (released,
+   expired, or from an earlier incarnation of P) is refused at once, so D never reads stale blocks.
+3. D reserves blocks for the prompt, reusing its own prefix-cache hits; when the pool is full it waits,
+   extending the lease, until blocks free up or the deadline passes.
+4. D pulls the blocks it lacks with one READ (runs of consecutive ids become single descriptors), polled
+   from the engine thread, and verifies each pulled block's checksum. A failed or corrupt transfer frees
+   the blocks and ends the request with a retryable error: never a success with wrong KV.
+5. D releases the ticket on P and admits the request with num_computed_tokens = len(prompt) and the first
+   token appended: from here it is batched like any other request, and its tokens stream back.
+6. A client that goes away, or a deadline that passes, aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine, PromptBlocks
+from engine.request import Request
+from engine.sampler import SampledToken
+from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from kvtransfer import KVRegion, KVTicket, TransferError, TransferStatus
+from kvtransfer.base import Connector, TransferHandle
+from kvtransfer.ticket import kv_checksum
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.0005
+LEASE_EXTENSION_S = 15.0
+
+
+class DecodeError(Exception):
+    """A request D cannot serve; `code` names the gRPC status, `retryable` tells the proxy to re-prefill."""
+
+    def __init__(self, code: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class IncomingKV:
+    ticket: KVTicket
+    prefill_address: str
+
+
+@dataclass(frozen=True)
+class DecodeOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+
+
+class LeaseClient(Protocol):
+    """How D talks to P about a ticket (over gRPC: clients.py)."""
+
+    async def extend(self, address: str, ticket: KVTicket, seconds: float) -> bool:
+        """Extends the ticket's lease on P; False when the ticket is not live there."""
+
+    async def release(self, address: str, ticket: KVTicket) -> bool:
+        """Frees the ticket's blocks on P."""
+
+
+class DecodeLoop:
+    def __init__(self, engine: AsyncEngine, connector: Connector, region: KVRegion, layout_hash: str,
+                 leases: LeaseClient, corrupt_transfers: bool = False) -> None:
+        self.engine = engine
+        self.connector = connector
+        self.region = region
+        self.layout_hash = layout_hash
+        self.leases = leases
+        self.corrupt_transfers = corrupt_transfers  # test hook: flips a byte of every pulled block
+        self.num_transfer_failures = 0
+        self.num_transferred_bytes = 0
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       incoming: IncomingKV, first_token: int, first_logprobs: PositionLogprobs | None,
+                       deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
+        ticket = incoming.ticket
+        if ticket.layout_hash != self.layout_hash:
+            raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} has KV layout {ticket.layout_hash}, "
+                                                     f"this node {self.layout_hash}")
+        if not await self.leases.extend(incoming.prefill_address, ticket, LEASE_EXTENSION_S):
+            raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} is not live on its prefill node "
+                                                     "(released, expired, or the node restarted)", retryable=True)
+        request, blocks = await self._reserve(request_id, prompt_token_ids, params, incoming, deadline)
+        try:
+            await self._pull(request, blocks, ticket, deadline)
+        except BaseException:
+            await self.engine.call(lambda e: e.kv.free(request))
+            raise
+        await self.leases.release(incoming.prefill_address, ticket)
+
+        events = self.engine.open_stream(request_id)
+        finished = False
+        try:
+            first = SampledToken(first_token, first_logprobs)
+            if await self.engine.call(lambda e: e.admit_prefilled(request, first)):
+                finished = True
+                yield DecodeOutput([], [], request.finish_reason, _stop_token(request))
+                return
+            while not finished:
+                timeout = None if deadline is None else deadline - time.time()
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout)
+                except TimeoutError as e:
+                    raise DecodeError("DEADLINE_EXCEEDED", f"request {request_id} passed its deadline") from e
+                finished = event.finish_reason is not None
+                stop_id = event.stop_reason if isinstance(event.stop_reason, int) else None
+                yield DecodeOutput([event.token_id], [event.logprobs] if event.logprobs else [],
+                                   event.finish_reason, stop_id)
+        finally:
+            self.engine.close_stream(request_id)
+            # aborting a finished request only forgets it; an unfinished one (client gone) frees its blocks
+            await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
+
+    async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       incoming: IncomingKV, deadline: float | None) -> tuple[Request, PromptBlocks]:
+        ticket = incoming.ticket
+
+        def make(engine: LLMEngine) -> Request:
+            request = engine.make_request(request_id, prompt_token_ids, params)
+            expected = engine.kv.blocks_needed(len(prompt_token_ids))
+            if ticket.num_tokens != len(prompt_token_ids) or len(ticket.block_ids) != expected:
+                raise ValueError(f"ticket {ticket.ticket_id} covers {ticket.num_tokens} tokens in "
+                                 f"{len(ticket.block_ids)} blocks; the prompt has {len(prompt_token_ids)} tokens "
+                                 f"({expected} blocks)")
+            if len(ticket.block_checksums) != len(ticket.block_ids):
+                raise ValueError(f"ticket {ticket.ticket_id} lacks per-block checksums")
+            return request
+
+        try:
+            request = await self.engine.call(make)
+        except ValueError as e:
+            raise DecodeError("INVALID_ARGUMENT", str(e)) from e
+        last_extension = time.monotonic()
+        while True:
+            blocks = await self.engine.call(lambda e: e.reserve_prompt_blocks(request))
+            if blocks is not None:
+                return request, blocks
+            if deadline is not None and time.time() >= deadline:
+                raise DecodeError("RESOURCE_EXHAUSTED", "no free KV blocks before the deadline", retryable=True)
+            if time.monotonic() - last_extension > LEASE_EXTENSION_S / 3:
+                if not await self.leases.extend(incoming.prefill_address, ticket, LEASE_EXTENSION_S):
+                    raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} expired while waiting "
+                                                             "for KV blocks", retryable=True)
+                last_extension = time.monotonic()
+            await asyncio.sleep(0.01)
+
+    async def _pull(self, request: Request, blocks: PromptBlocks, ticket: KVTicket, deadline: float | None) -> None:
+        block_size = self.engine.engine.config.block_size
+        skip = blocks.num_cached_tokens // block_size  # our own prefix hits need no transfer
+        remote, local = list(ticket.block_ids[skip:]), blocks.block_ids[skip:]
+        expected = ticket.block_checksums[skip:]
+        if not remote:
+            return
+
+        def start(_: LLMEngine) -> TransferHandle:
+            peer = self.connector.add_peer(ticket.transfer_endpoint)
+            return self.connector.read(peer, remote, local)
+
+        try:
+            handle = await self.engine.call(start)
+            while (status := await self.engine.call(lambda _: self.connector.poll(handle))) is TransferStatus.PENDING:
+                if deadline is not None and time.time() >= deadline:
+                    raise DecodeError("DEADLINE_EXCEEDED", "the KV transfer outlasted the request's deadline")
+                await asyncio.sleep(POLL_INTERVAL_S)
+        except TransferError as e:
+            self.num_transfer_failures += 1
+            raise DecodeError("ABORTED", f"KV transfer failed: {e}", retryable=True) from e
+        if status is TransferStatus.FAILED:
+            self.num_transfer_failures += 1
+            reason = self.connector.failure_reason(handle)
+            raise DecodeError("ABORTED", f"KV transfer failed: {reason}", retryable=True)
+        bad = await self.engine.call(lambda _: self._verify(local, expected))
+        if bad:
+            self.num_transfer_failures += 1
+            raise DecodeError("DATA_LOSS", f"KV checksum mismatch in {len(bad)} of {len(local)} pulled blocks of "
+                                           f"ticket {ticket.ticket_id}", retryable=True)
+        self.num_transferred_bytes += len(local) * self.region.block_bytes
+
+    def _verify(self, local: list[int], expected: tuple[str, ...]) -> list[int]:
+        if self.corrupt_transfers:
+            kv = self.engine.engine.runner.kv_cache
+            for block_id in local:
+                kv[block_id].view(-1)[0] += 1
+        return [b for b, checksum in zip(local, expected, strict=True) if kv_checksum(self.region, [b]) != checksum]
+
+    async def abort(self, request_id: str) -> bool:
+        def abort(engine: LLMEngine) -> bool:
+            found = request_id in engine.requests
+            engine.abort(request_id)
+            return found
+
+        return await self.engine.call(abort)
+
+
+def _stop_token(request: Request) -> int | None:
+    return request.stop_reason if isinstance(request.stop_reason, int) else None

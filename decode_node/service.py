@@ -1,0 +1,83 @@
+"""The decode node's gRPC edge: protobuf in, DecodeLoop calls, protobuf out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_node.loop import DecodeError, DecodeLoop, IncomingKV
+from engine.async_engine import AsyncEngine
+from kvtransfer import InvalidTicketError, KVTicket
+from protos import tandem_pb2 as pb
+from protos import tandem_pb2_grpc
+from protos.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto
+
+# Tells the proxy a retry (prefill again, maybe elsewhere) may succeed.
+RETRYABLE_KEY = "tandem-retryable"
+
+
+def ticket_from_proto(msg: pb.KVTicket) -> IncomingKV:
+    """Raises InvalidTicketError for a malformed ticket."""
+    ticket = KVTicket(ticket_id=msg.ticket_id, prefill_node_id=msg.prefill_node_id, incarnation=msg.incarnation,
+                      transfer_endpoint=msg.transfer_metadata, block_ids=tuple(msg.block_ids),
+                      num_tokens=msg.num_tokens, layout_hash=msg.layout_hash, lease_deadline=msg.lease_deadline,
+                      checksum=msg.checksum, block_checksums=tuple(msg.block_checksums))
+    if not msg.prefill_address:
+        raise InvalidTicketError("ticket prefill_address is required")
+    return IncomingKV(ticket, msg.prefill_address)
+
+
+class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, loop: DecodeLoop, engine: AsyncEngine, node_id: str, model: str, kv_backend: str) -> None:
+        self.loop = loop
+        self.engine = engine
+        self.node_id = node_id
+        self.model = model
+        self.kv_backend = kv_backend
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:
+            params = params_from_proto(request.params)
+            incoming = ticket_from_proto(request.ticket)
+        except (ValueError, InvalidTicketError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        deadline = request.deadline or None
+        if deadline is not None and deadline <= time.time():
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
+        outputs = self.loop.generate(request.request_id, list(request.prompt_token_ids), params, incoming,
+                                     request.first_token, logprobs_from_proto(request.first_logprobs), deadline)
+        try:
+            async for out in outputs:
+                response = pb.GenerateResponse(token_ids=out.token_ids,
+                                               finish_reason=str(out.finish_reason or ""),
+                                               stop_token_id=-1 if out.stop_token_id is None else out.stop_token_id)
+                for position in out.logprobs:
+                    response.logprobs.append(logprobs_to_proto(position))
+                yield response
+        except DecodeError as e:
+            context.set_trailing_metadata(((RETRYABLE_KEY, "1" if e.retryable else "0"),))
+            await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        finally:
+            await outputs.aclose()
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=await self.loop.abort(request.request_id))
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(ready=self.engine.healthy, node_id=self.node_id, role="decode",
+                                 layout_hash=self.loop.layout_hash, model=self.model, kv_backend=self.kv_backend)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        def stats(engine) -> pb.StatsResponse:  # type: ignore[no-untyped-def]
+            return pb.StatsResponse(
+                free_kv_blocks=engine.kv.num_free_blocks, total_kv_blocks=engine.kv.num_blocks,
+                num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+                num_transfer_failures=self.loop.num_transfer_failures,
+                prefix_cache_queries=engine.kv.num_queried_tokens, prefix_cache_hits=engine.kv.num_hit_tokens)
+
+        return await self.engine.call(stats)

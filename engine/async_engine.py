@@ -1,0 +1,135 @@
+"""Runs an LLMEngine on its own thread and serves it to asyncio code (the gRPC services of the nodes).
+
+The engine is not thread-safe: everything that touches it runs on the engine thread, either as a command
+(`await call(fn)`, fn gets the engine) or as a ticker (run every loop iteration, for lease expiry and
+transfer polling). Tokens reach asyncio through one queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.types import FinishReason, PositionLogprobs
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token appended to a request, with what finished it, if anything."""
+
+    token_id: int
+    logprobs: PositionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.002) -> None:
+        self.engine = engine
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenEvent]]] = {}
+        self._tickers: list[Callable[[LLMEngine], None]] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def add_ticker(self, fn: Callable[[LLMEngine], None]) -> None:
+        """fn(engine) runs on the engine thread every iteration, busy or idle. Register before start()."""
+        self._tickers.append(fn)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs fn(engine) on the engine thread and returns its result (or raises its exception)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, not swallowed
+                loop.call_soon_threadsafe(_set_exception, future, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        if not self.healthy:
+            raise RuntimeError(f"the engine thread has stopped: {self.error!r}")
+        self._commands.put(run)
+        return await future
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        """A queue that receives the request's tokens. Open it before the request is added."""
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), events)
+        return events
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def publish(self, request_id: str, event: TokenEvent) -> None:
+        """Sends an event to a request's stream (from the engine thread)."""
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, events = target
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._run_commands(block=not self.engine.has_unfinished())
+                for ticker in self._tickers:
+                    ticker(self.engine)
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - a dead engine thread must be visible to health checks
+            logger.exception("engine thread died")
+            self.error = e
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        command()
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            request = self.engine.requests[out.request_id]
+            logprobs = request.logprobs[-1] if request.logprobs else None
+            self.publish(out.request_id, TokenEvent(out.token_id, logprobs, request.finish_reason,
+                                                    request.stop_reason))
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

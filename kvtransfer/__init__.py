@@ -1,0 +1,59 @@
+"""Moves KV blocks between nodes. Knows block ids and memory regions, never models or schedulers.
+
+    connector = make_connector("nixl", layout=KVLayout(...))      # or "mooncake"
+    metadata = connector.register(KVRegion.from_buffer(kv_cache))  # send it to peers (ticket / registry)
+    peer = connector.add_peer(peer_metadata)
+    handle = connector.read(peer, remote_block_ids, local_block_ids)
+    connector.poll(handle)  # PENDING → DONE | FAILED
+
+The contract is `kvtransfer.base.Connector`; backends are imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtransfer.base import Connector, KVRegion, MemoryKind, PeerId, TransferHandle, TransferStatus
+from kvtransfer.errors import (
+    BackendError,
+    ConnectorClosedError,
+    IncompatiblePeerError,
+    InvalidDescriptorError,
+    InvalidMetadataError,
+    InvalidRequestError,
+    InvalidTicketError,
+    PeerDisconnectedError,
+    TransferError,
+    UnknownPeerError,
+    UnknownTransferError,
+)
+from kvtransfer.handshake import CONNECTOR_VERSION, KVLayout, layout_hash
+from kvtransfer.ticket import KVTicket, kv_checksum, verify_kv_checksum
+
+BACKENDS = ("nixl", "mooncake")
+
+__all__ = [
+    "BACKENDS", "CONNECTOR_VERSION", "BackendError", "Connector", "ConnectorClosedError", "IncompatiblePeerError",
+    "InvalidDescriptorError", "InvalidMetadataError", "InvalidRequestError", "InvalidTicketError", "KVLayout",
+    "KVRegion", "KVTicket", "MemoryKind", "PeerDisconnectedError", "PeerId", "TransferError", "TransferHandle",
+    "TransferStatus", "UnknownPeerError", "UnknownTransferError", "kv_checksum", "layout_hash", "make_connector",
+    "verify_kv_checksum",
+]
+
+
+def make_connector(name: str, *, layout: KVLayout, agent_name: str | None = None, read_timeout_s: float = 30.0,
+                   host: str = "127.0.0.1", **backend_options: Any) -> Connector:
+    """A connector of backend `name` ("nixl" or "mooncake"). `host` is the address peers reach this node on
+    (Mooncake's RPC address; for NIXL a loopback host also pins UCX to `lo`). `backend_options` go to the
+    backend (Mooncake: `protocol="tcp"|"rdma"`)."""
+    if name == "nixl":
+        from kvtransfer.nixl import NixlConnector
+
+        return NixlConnector(layout=layout, agent_name=agent_name, read_timeout_s=read_timeout_s, host=host,
+                             **backend_options)
+    if name == "mooncake":
+        from kvtransfer.mooncake import MooncakeConnector
+
+        return MooncakeConnector(layout=layout, agent_name=agent_name, read_timeout_s=read_timeout_s, host=host,
+                                 **backend_options)
+    raise InvalidRequestError(f"unknown KV transfer backend {name!r} (known: {', '.join(BACKENDS)})")

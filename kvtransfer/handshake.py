@@ -1,0 +1,173 @@
+"""The handshake: a KV layout hash, and the self-describing envelope that carries a peer's metadata.
+
+Two nodes may pair only if their KV blocks mean the same bytes: same model, dtype, layer count, KV heads, head
+dim, block size, TP size (and hash seed and connector version). Each connector's metadata travels as
+
+    b"TKVP" | header length (4 bytes, big-endian) | JSON header | backend payload
+
+where the header names the envelope version, backend, agent name, the layout (fields and hash) and the region
+geometry, and the payload is the backend's own bytes (NIXL agent metadata, Mooncake endpoint record).
+`check_compatible` refuses a peer with a clear message naming every differing field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from kvtransfer.base import MemoryKind
+from kvtransfer.errors import IncompatiblePeerError, InvalidMetadataError
+
+CONNECTOR_VERSION = "1"  # bump when the bytes a connector moves, or how, change incompatibly
+ENVELOPE_VERSION = 1
+MAGIC = b"TKVP"
+_HEADER_LENGTH = struct.Struct(">I")
+_MAX_HEADER_BYTES = 1 << 16
+
+
+def layout_hash(model: str, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                tp_size: int, connector_version: str = CONNECTOR_VERSION, hash_seed: str = "") -> str:
+    """A stable hash of everything that must match for two nodes' KV blocks to be interchangeable."""
+    return KVLayout(model, dtype, num_layers, num_kv_heads, head_dim, block_size, tp_size, connector_version,
+                    hash_seed).layout_hash
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a KV block means. `model` is any stable identifier of the weights (a name or a config hash)."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    tp_size: int
+    connector_version: str = CONNECTOR_VERSION
+    hash_seed: str = ""  # the cluster's prefix-hash seed (DESIGN §3 checks it in the handshake)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "str" and not isinstance(value, str):
+                raise ValueError(f"KVLayout.{f.name} must be a str, got {value!r}")
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"KVLayout.{f.name} must be a positive int, got {value!r}")
+
+    @property
+    def layout_hash(self) -> str:
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        if not isinstance(data, dict):
+            raise ValueError(f"a KVLayout is a mapping, got {type(data).__name__}")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown KVLayout fields: {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class PeerEnvelope:
+    """A connector's metadata: who it is, what its blocks mean, where they live, and the backend's bytes."""
+
+    backend: str
+    agent_name: str
+    layout: KVLayout
+    base_address: int
+    num_blocks: int
+    block_bytes: int
+    memory_kind: MemoryKind
+    device_id: int
+    payload: bytes = b""
+
+    @property
+    def layout_hash(self) -> str:
+        return self.layout.layout_hash
+
+    def encode(self) -> bytes:
+        header = {
+            "envelope_version": ENVELOPE_VERSION,
+            "backend": self.backend,
+            "agent_name": self.agent_name,
+            "layout": self.layout.to_dict(),
+            "layout_hash": self.layout_hash,
+            "region": {"base_address": self.base_address, "num_blocks": self.num_blocks,
+                       "block_bytes": self.block_bytes, "memory_kind": self.memory_kind.value,
+                       "device_id": self.device_id},
+            "payload_bytes": len(self.payload),
+        }
+        header_bytes = json.dumps(header, sort_keys=True).encode()
+        return MAGIC + _HEADER_LENGTH.pack(len(header_bytes)) + header_bytes + self.payload
+
+    @classmethod
+    def decode(cls, data: bytes) -> PeerEnvelope:
+        """Parses metadata bytes; raises InvalidMetadataError (never anything else) when they are not valid."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidMetadataError(f"peer metadata must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        prefix = len(MAGIC) + _HEADER_LENGTH.size
+        if len(data) < prefix or not data.startswith(MAGIC):
+            raise InvalidMetadataError("peer metadata is not a Tandem KV envelope (bad magic)")
+        (header_length,) = _HEADER_LENGTH.unpack_from(data, len(MAGIC))
+        if header_length > _MAX_HEADER_BYTES or prefix + header_length > len(data):
+            raise InvalidMetadataError(f"peer metadata is truncated or corrupt (header of {header_length} bytes "
+                                       f"in {len(data)} bytes)")
+        try:
+            header = json.loads(data[prefix:prefix + header_length])
+            version = header["envelope_version"]
+            if not isinstance(version, int) or version != ENVELOPE_VERSION:
+                raise InvalidMetadataError(f"peer metadata envelope version {version!r} is not supported "
+                                           f"(this connector reads version {ENVELOPE_VERSION})")
+            region = header["region"]
+            payload = data[prefix + header_length:]
+            if header["payload_bytes"] != len(payload):
+                raise InvalidMetadataError(f"peer metadata payload is {len(payload)} bytes, the header says "
+                                           f"{header['payload_bytes']}")
+            envelope = cls(backend=_typed(header, "backend", str), agent_name=_typed(header, "agent_name", str),
+                           layout=KVLayout.from_dict(header["layout"]),
+                           base_address=_typed(region, "base_address", int),
+                           num_blocks=_typed(region, "num_blocks", int),
+                           block_bytes=_typed(region, "block_bytes", int),
+                           memory_kind=MemoryKind(region["memory_kind"]),
+                           device_id=_typed(region, "device_id", int), payload=payload)
+        except InvalidMetadataError:
+            raise
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise InvalidMetadataError(f"peer metadata header is malformed: {type(e).__name__}: {e}") from None
+        if header.get("layout_hash") != envelope.layout_hash:
+            raise InvalidMetadataError("peer metadata layout_hash does not match the layout it describes")
+        if min(envelope.base_address, envelope.num_blocks, envelope.block_bytes) <= 0 or not envelope.agent_name:
+            raise InvalidMetadataError("peer metadata describes an empty region or has no agent name")
+        return envelope
+
+
+def _typed(mapping: dict[str, Any], key: str, kind: type) -> Any:
+    value = mapping[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{key} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def check_compatible(ours: PeerEnvelope, theirs: PeerEnvelope) -> None:
+    """Raises IncompatiblePeerError naming every field in which the peer differs from us."""
+    differences = []
+    if ours.backend != theirs.backend:
+        differences.append(f"backend (ours {ours.backend!r}, peer {theirs.backend!r})")
+    for f in fields(KVLayout):
+        mine, peer = getattr(ours.layout, f.name), getattr(theirs.layout, f.name)
+        if mine != peer:
+            differences.append(f"{f.name} (ours {mine!r}, peer {peer!r})")
+    if ours.block_bytes != theirs.block_bytes:
+        differences.append(f"block_bytes (ours {ours.block_bytes}, peer {theirs.block_bytes})")
+    if differences:
+        raise IncompatiblePeerError(f"refusing peer {theirs.agent_name!r}: layout_hash ours {ours.layout_hash}, "
+                                    f"peer {theirs.layout_hash}; differs in " + ", ".join(differences))

@@ -1,0 +1,34 @@
+"""The node's KV pool as a kvtransfer region, its layout identity, and per-block checksums."""
+
+from __future__ import annotations
+
+from engine.llm_engine import LLMEngine
+from kvtransfer import KVLayout, KVRegion, make_connector
+from kvtransfer.base import Connector
+from kvtransfer.ticket import kv_checksum
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    model = engine.model_config
+    # The model's identity: its architecture and shape (two copies of one model in different folders pair).
+    identity = (f"{model.architecture}:{model.path.name}:{model.hidden_size}x{model.num_layers}"
+                f":{model.vocab_size}")
+    return KVLayout(model=identity, dtype=str(engine.runner.dtype).removeprefix("torch."),
+                    num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                    block_size=engine.config.block_size, tp_size=1, hash_seed=engine.config.hash_seed)
+
+
+def kv_region(engine: LLMEngine) -> KVRegion:
+    return KVRegion.from_buffer(engine.runner.kv_cache)
+
+
+def open_connector(engine: LLMEngine, backend: str, host: str, name: str) -> tuple[Connector, KVRegion, bytes]:
+    """Creates the node's connector and registers its KV pool; returns (connector, region, metadata)."""
+    connector = make_connector(backend, layout=kv_layout(engine), agent_name=name, host=host)
+    region = kv_region(engine)
+    return connector, region, connector.register(region)
+
+
+def block_checksums(region: KVRegion, block_ids: list[int]) -> tuple[str, ...]:
+    """One checksum per block: a decode node that already holds some blocks verifies only those it pulled."""
+    return tuple(kv_checksum(region, [block_id]) for block_id in block_ids)

@@ -1,0 +1,1 @@
+"""The prefill node: computes prompts' KV cache and first token, holds the blocks under a lease."""

@@ -1,0 +1,53 @@
+"""python -m prefill_node --model DIR --port N [--kv-backend nixl|mooncake] [engine flags]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from kvtransfer.ticket import KVTicket, kv_checksum
+from node_common.kv import block_checksums, kv_layout, open_connector
+from node_common.options import add_node_args, engine_config, node_id
+from node_common.server import serve, setup_logging
+from prefill_node.loop import PrefillLoop
+from prefill_node.service import PrefillService
+from protos import tandem_pb2_grpc
+
+logger = logging.getLogger("prefill_node")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m prefill_node", description=__doc__)
+    add_node_args(parser)
+    parser.add_argument("--lease-seconds", type=float, default=30.0,
+                        help="how long pinned blocks wait for a decode node to pull them")
+    args = parser.parse_args()
+    setup_logging(args.log_level)
+    name = node_id(args, "prefill")
+    engine = LLMEngine(engine_config(args))
+    layout_hash = kv_layout(engine).layout_hash
+    connector, region, metadata = open_connector(engine, args.kv_backend, args.host, name)
+
+    def make_ticket(llm: LLMEngine, ticket_id: str, request_id: str, deadline: float) -> KVTicket:
+        request = llm.requests[request_id]
+        blocks = list(request.block_ids)
+        return KVTicket(ticket_id=ticket_id, prefill_node_id=name, incarnation=loop.incarnation,
+                        transfer_endpoint=metadata, block_ids=tuple(blocks), num_tokens=request.num_prompt_tokens,
+                        layout_hash=layout_hash, lease_deadline=deadline, checksum=kv_checksum(region, blocks),
+                        block_checksums=block_checksums(region, blocks))
+
+    async_engine = AsyncEngine(engine)
+    # the owner of registered memory must keep the transfer library progressing (ENV-NOTES: NIXL)
+    async_engine.add_ticker(lambda _: connector.progress())
+    loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket)
+    service = PrefillService(loop, async_engine, f"{args.host}:{args.port}", layout_hash, args.model,
+                             args.kv_backend)
+    asyncio.run(serve(async_engine, lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(
+        service, server), args.host, args.port, connector.close))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The prefill node's request lifecycle, around the engine thread. No gRPC here (service.py is the edge).
+
+A request's life on a prefill node (P):
+1. `Prefill` arrives: the prompt is validated and added to the engine to produce one token, with its
+   K/V blocks pinned (they outlive the request).
+2. The engine schedules it like any other (chunked prefill, prefix-cache hits) and samples the first token.
+3. If that token already ends the request (EOS, a stop token id, max_tokens=1, the context limit), the
+   blocks are freed and no ticket is issued.
+4. Otherwise a lease is recorded and a KV ticket returned: block ids, per-block checksums, this node's
+   incarnation, its connector metadata and the lease deadline.
+5. The decode node (D) pulls the blocks over the connector, then calls `Release`: the blocks are freed.
+   While D waits for room, `ExtendLease` moves the deadline.
+6. `Abort` frees the request at any stage. A lease past its deadline is freed by the ticker and counted:
+   KV is never stranded on P. Tickets of an earlier incarnation (P restarted) are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.async_engine import AsyncEngine, TokenEvent
+from engine.llm_engine import LLMEngine
+from engine.types import FinishReason, SamplingParams
+from kvtransfer.ticket import KVTicket
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillError(Exception):
+    """A request P cannot serve; `code` names the gRPC status the service maps it to."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Lease:
+    ticket_id: str
+    request_id: str
+    deadline: float
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first: TokenEvent
+    ticket: KVTicket | None  # None when the first token finished the request
+    num_cached_tokens: int
+
+
+class PrefillLoop:
+    def __init__(self, engine: AsyncEngine, node_id: str, lease_s: float,
+                 make_ticket: Callable[[LLMEngine, str, str, float], KVTicket]) -> None:
+        """make_ticket(engine, ticket_id, request_id, deadline) runs on the engine thread and describes
+        the request's pinned blocks (ids, checksums, transfer endpoint)."""
+        self.engine = engine
+        self.node_id = node_id
+        self.incarnation = secrets.randbits(62)  # a restarted node never honours an older ticket
+        self.lease_s = lease_s
+        self._make_ticket = make_ticket
+        self._leases: dict[str, Lease] = {}  # by ticket id; touched only on the engine thread
+        self.num_leases_expired = 0
+        engine.add_ticker(self._expire_leases)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._leases)
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      deadline: float | None) -> PrefillResult:
+        # One token here: min_tokens >= 1 suppresses EOS for the first token exactly as the full request would.
+        first_params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1),
+                                           stop=[])
+        events = self.engine.open_stream(request_id)
+        try:
+            try:
+                request = await self.engine.call(
+                    lambda e: e.add_request(request_id, prompt_token_ids, first_params, pin_blocks=True))
+            except ValueError as e:
+                raise PrefillError("INVALID_ARGUMENT", str(e)) from e
+            timeout = None if deadline is None else max(0.0, deadline - time.time())
+            try:
+                first = await asyncio.wait_for(events.get(), timeout)
+            except (TimeoutError, asyncio.CancelledError):
+                await self.engine.call(lambda e: e.abort(request_id))
+                raise
+        except TimeoutError as e:
+            raise PrefillError("DEADLINE_EXCEEDED", f"request {request_id} passed its deadline in prefill") from e
+        finally:
+            self.engine.close_stream(request_id)
+
+        num_cached = request.num_prompt_cached_tokens
+        finished = _finishes_request(first, params, request.num_tokens >= request.max_num_tokens)
+        if finished is not None:
+            await self.engine.call(lambda e: e.release_blocks(request_id))
+            return PrefillResult(dataclasses.replace(first, finish_reason=finished), None, num_cached)
+        ticket_id = f"{self.node_id}:{request_id}:{uuid.uuid4().hex[:8]}"
+        ticket = await self.engine.call(lambda e: self._lease(e, ticket_id, request_id))
+        return PrefillResult(dataclasses.replace(first, finish_reason=None, stop_reason=None), ticket,
+                             num_cached)
+
+    def _lease(self, engine: LLMEngine, ticket_id: str, request_id: str) -> KVTicket:
+        deadline = time.time() + self.lease_s
+        ticket = self._make_ticket(engine, ticket_id, request_id, deadline)
+        self._leases[ticket_id] = Lease(ticket_id, request_id, deadline)
+        return ticket
+
+    async def release(self, ticket_id: str, incarnation: int) -> bool:
+        """Frees a ticket's blocks. False for an unknown ticket or one from another incarnation."""
+        if incarnation != self.incarnation:
+            return False
+        return await self.engine.call(lambda e: self._drop(e, ticket_id))
+
+    def _drop(self, engine: LLMEngine, ticket_id: str) -> bool:
+        lease = self._leases.pop(ticket_id, None)
+        if lease is None:
+            return False
+        engine.release_blocks(lease.request_id)
+        return True
+
+    async def extend(self, ticket_id: str, incarnation: int, seconds: float) -> float | None:
+        """Moves a live lease's deadline to now + seconds (at most 10 minutes); None if it is not live."""
+        if incarnation != self.incarnation:
+            return None
+
+        def extend(_: LLMEngine) -> float | None:
+            lease = self._leases.get(ticket_id)
+            if lease is None:
+                return None
+            lease.deadline = max(lease.deadline, time.time() + min(max(seconds, 0.0), 600.0))
+            return lease.deadline
+
+        return await self.engine.call(extend)
+
+    async def abort(self, request_id: str) -> bool:
+        def abort(engine: LLMEngine) -> bool:
+            for ticket_id, lease in list(self._leases.items()):
+                if lease.request_id == request_id:
+                    del self._leases[ticket_id]
+            found = request_id in engine.requests
+            engine.abort(request_id)
+            return found
+
+        return await self.engine.call(abort)
+
+    def _expire_leases(self, engine: LLMEngine) -> None:
+        now = time.time()
+        for ticket_id, lease in list(self._leases.items()):
+            if lease.deadline < now:
+                logger.warning("lease of ticket %s expired: freeing its blocks", ticket_id)
+                self._drop(engine, ticket_id)
+                self.num_leases_expired += 1
+
+
+def _finishes_request(first: TokenEvent, params: SamplingParams, at_context_limit: bool) -> FinishReason | None:
+    """Whether the first token ends the whole request (P ran it with max_tokens=1, so LENGTH alone says
+    nothing: only the user's own max_tokens=1 or the context limit make it final)."""
+    if first.finish_reason == FinishReason.STOP:
+        return FinishReason.STOP
+    if params.max_tokens == 1 or at_context_limit:
+        return FinishReason.LENGTH
+    return None

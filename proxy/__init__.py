@@ -1,0 +1,1 @@
+"""The OpenAI-compatible front door: tokenizes, routes prefill then decode, streams tokens back."""

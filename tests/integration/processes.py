@@ -1,0 +1,91 @@
+"""Real node and proxy processes on loopback for integration tests: free ports, readiness, clean stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Process:
+    """A `python -m MODULE ...` child whose output goes to a log file (read on failure)."""
+
+    def __init__(self, module: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.module = module
+        self.log_path = log_dir / f"{module}-{time.monotonic_ns()}.log"
+        self._log = self.log_path.open("w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib",
+                    "NIXL_LOG_LEVEL": "WARN", **(env or {})}
+        full_env.pop("TRITON_INTERPRET", None)
+        self.popen = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=full_env,
+                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for_line(self, text: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log():
+                return
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with {self.popen.returncode}:\n{self.log()[-4000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.module} did not print {text!r} in {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self._log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def start_node(role: str, model: Path, backend: str, log_dir: Path, extra: list[str] | None = None,
+               env: dict[str, str] | None = None, port: int | None = None) -> tuple[Process, str]:
+    port = port or free_port()
+    args = ["--model", str(model), "--dtype", "float32", "--port", str(port), "--kv-backend", backend,
+            "--block-size", "4", "--num-kv-blocks", "64", "--max-num-seqs", "8", "--log-level", "WARNING",
+            *(extra or [])]
+    process = Process(f"{role}_node", args, log_dir, env)
+    process.wait_for_line("READY")
+    return process, f"127.0.0.1:{port}"
+
+
+def start_proxy(model: Path, prefill: str, decode: str, log_dir: Path) -> tuple[Process, str]:
+    port = free_port()
+    process = Process("proxy", ["--model", str(model), "--prefill", prefill, "--decode", decode,
+                                "--port", str(port), "--log-level", "warning", "--request-timeout", "60"], log_dir)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        if not process.alive:
+            raise RuntimeError(f"proxy exited:\n{process.log()[-4000:]}")
+        time.sleep(0.2)
+    raise TimeoutError(f"proxy not healthy:\n{process.log()[-4000:]}")

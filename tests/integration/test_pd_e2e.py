@@ -1,0 +1,213 @@
+"""One prefill node, one decode node and the proxy as separate processes on loopback, for both KV transfer
+backends: completions equal transformers' greedy tokens, no block leaks, leases, aborts, restarts, and
+corruption caught by the checksum."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from protos import tandem_pb2 as pb
+from protos import tandem_pb2_grpc
+from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
+from tests.integration.processes import start_node, start_proxy
+
+pytestmark = pytest.mark.integration
+BACKENDS = ["nixl", "mooncake"]
+
+
+class Cluster:
+    def __init__(self, model: Path, backend: str, log_dir: Path, decode_env: dict[str, str] | None = None,
+                 lease_seconds: float = 30.0) -> None:
+        self.model, self.backend, self.log_dir = model, backend, log_dir
+        self.lease_seconds = lease_seconds
+        self.prefill, self.prefill_address = start_node("prefill", model, backend, log_dir,
+                                                        ["--lease-seconds", str(lease_seconds)])
+        self.decode, self.decode_address = start_node("decode", model, backend, log_dir, env=decode_env)
+        self.proxy, self.url = start_proxy(model, self.prefill_address, self.decode_address, log_dir)
+
+    def restart_prefill(self) -> None:
+        port = int(self.prefill_address.rsplit(":", 1)[1])
+        self.prefill.stop()
+        self.prefill, _ = start_node("prefill", self.model, self.backend, self.log_dir,
+                                     ["--lease-seconds", str(self.lease_seconds)], port=port)
+
+    def stop(self) -> None:
+        for process in (self.proxy, self.decode, self.prefill):
+            process.stop()
+
+    def stats(self, role: str) -> pb.StatsResponse:
+        return asyncio.run(_stats(self.prefill_address if role == "prefill" else self.decode_address, role))
+
+    def complete(self, **body: object) -> httpx.Response:
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
+
+
+async def _stats(address: str, role: str) -> pb.StatsResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = (tandem_pb2_grpc.PrefillServiceStub if role == "prefill" else tandem_pb2_grpc.DecodeServiceStub)(channel)
+        return await stub.Stats(pb.StatsRequest(), timeout=5)
+
+
+async def _prefill(address: str, prompt: list[int], max_tokens: int = 8) -> pb.PrefillResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        params = pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=max_tokens,
+                                   ignore_eos=True)
+        return await tandem_pb2_grpc.PrefillServiceStub(channel).Prefill(
+            pb.PrefillRequest(request_id=f"direct-{time.monotonic_ns()}", prompt_token_ids=prompt, params=params),
+            timeout=30)
+
+
+async def _generate(address: str, prompt: list[int], prefilled: pb.PrefillResponse) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        params = pb.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_tokens=8,
+                                   ignore_eos=True)
+        call = tandem_pb2_grpc.DecodeServiceStub(channel).Generate(pb.GenerateRequest(
+            request_id=f"gen-{time.monotonic_ns()}", prompt_token_ids=prompt, params=params,
+            ticket=prefilled.ticket, first_token=prefilled.first_token), timeout=30)
+        return [t async for r in call for t in r.token_ids]
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.1)
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(request: pytest.FixtureRequest, tiny_model: TinyModelFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tiny_model("llama"), request.param, tmp_path_factory.mktemp(f"logs-{request.param}"),
+                lease_seconds=2.0)
+    yield c
+    c.stop()
+
+
+def test_greedy_completions_through_the_proxy_equal_transformers(cluster: Cluster, tiny_model: TinyModelFactory
+                                                                  ) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(cluster.model))
+    batch = prompts(3, 13, seed=1) + prompts(1, 2, seed=2)
+    expected = hf_greedy(tiny_model("llama"), batch, 10)
+    for prompt, tokens in zip(batch, expected, strict=True):
+        r = cluster.complete(prompt=prompt, max_tokens=10, temperature=0, ignore_eos=True)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
+        assert body["usage"]["completion_tokens"] == 10 and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_streaming_sends_the_same_text_first_token_first(cluster: Cluster) -> None:
+    prompt = prompts(1, 9, seed=3)[0]
+    whole = cluster.complete(prompt=prompt, max_tokens=12, temperature=0, ignore_eos=True).json()
+    pieces, finishes = [], []
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True},
+            timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                pieces.append(choice["text"])
+                finishes.append(choice["finish_reason"])
+    assert len(pieces) >= 2 and "".join(pieces) == whole["choices"][0]["text"]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+
+
+def test_no_blocks_leak_after_a_run(cluster: Cluster) -> None:
+    for prompt in prompts(3, 11, seed=4):
+        assert cluster.complete(prompt=prompt, max_tokens=5, temperature=0, ignore_eos=True).status_code == 200
+    wait_until(lambda: cluster.stats("prefill").num_pinned_tickets == 0)
+    p, d = cluster.stats("prefill"), cluster.stats("decode")
+    assert p.free_kv_blocks == p.total_kv_blocks and d.free_kv_blocks == d.total_kv_blocks
+
+
+def test_a_ticket_never_pulled_is_freed_when_its_lease_expires(cluster: Cluster) -> None:
+    prefilled = asyncio.run(_prefill(cluster.prefill_address, prompts(1, 10, seed=5)[0]))
+    assert prefilled.HasField("ticket") and len(prefilled.ticket.block_ids) == 3
+    stats = cluster.stats("prefill")
+    assert stats.num_pinned_tickets == 1 and stats.free_kv_blocks == stats.total_kv_blocks - 3
+    expired = stats.num_leases_expired
+    wait_until(lambda: cluster.stats("prefill").num_pinned_tickets == 0, timeout=cluster.lease_seconds + 5)
+    stats = cluster.stats("prefill")
+    assert stats.free_kv_blocks == stats.total_kv_blocks and stats.num_leases_expired == expired + 1
+
+
+def test_a_client_disconnect_frees_blocks_on_both_sides(cluster: Cluster) -> None:
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json={
+            "prompt": prompts(1, 9, seed=6)[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    # the stream is closed early: the proxy aborts on D and releases on P
+
+    def freed() -> bool:
+        p, d = cluster.stats("prefill"), cluster.stats("decode")
+        return (p.free_kv_blocks == p.total_kv_blocks and d.free_kv_blocks == d.total_kv_blocks
+                and d.num_running == 0 and p.num_pinned_tickets == 0)
+
+    wait_until(freed)
+
+
+def test_bad_tickets_get_clear_errors_and_the_node_survives(cluster: Cluster) -> None:
+    prompt = prompts(1, 10, seed=7)[0]
+    prefilled = asyncio.run(_prefill(cluster.prefill_address, prompt))
+    unknown = pb.PrefillResponse()
+    unknown.CopyFrom(prefilled)
+    unknown.ticket.ticket_id = "no-such-ticket"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(_generate(cluster.decode_address, prompt, unknown))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    garbled = pb.PrefillResponse()
+    garbled.CopyFrom(prefilled)
+    garbled.ticket.transfer_metadata = b"garbage"
+    garbled.ticket.layout_hash = "0" * 32
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(_generate(cluster.decode_address, prompt, garbled))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "layout" in (e.value.details() or "")
+    # the real ticket still works afterwards
+    assert len(asyncio.run(_generate(cluster.decode_address, prompt, prefilled))) == 7
+    assert cluster.decode.alive and cluster.prefill.alive
+
+
+def test_a_restarted_prefill_node_rejects_an_old_ticket(cluster: Cluster) -> None:
+    prompt = prompts(1, 10, seed=8)[0]
+    old = asyncio.run(_prefill(cluster.prefill_address, prompt))
+    cluster.restart_prefill()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(_generate(cluster.decode_address, prompt, old))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    d = cluster.stats("decode")
+    assert d.free_kv_blocks == d.total_kv_blocks
+    # and the cluster serves through the new incarnation
+    r = cluster.complete(prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_corrupted_transfer_is_caught_by_the_checksum(backend: str, tiny_model: TinyModelFactory,
+                                                         tmp_path: Path) -> None:
+    c = Cluster(tiny_model("llama"), backend, tmp_path, decode_env={"TANDEM_TEST_CORRUPT_KV": "1"})
+    try:
+        r = c.complete(prompt=prompts(1, 10, seed=9)[0], max_tokens=4, temperature=0, ignore_eos=True)
+        assert r.status_code >= 500 and "checksum" in r.json()["error"]["message"]
+        d = c.stats("decode")
+        assert d.num_transfer_failures >= 1 and d.free_kv_blocks == d.total_kv_blocks
+        wait_until(lambda: c.stats("prefill").num_pinned_tickets == 0)
+    finally:
+        c.stop()

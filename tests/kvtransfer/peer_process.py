@@ -1,0 +1,183 @@
+"""A connector in its own process (spawned), driven over a pipe: the contract suite's two "nodes".
+
+The child owns a KV region filled with a pattern known from its seed, registers it, and then serves commands
+while calling `connector.progress()` about every millisecond, as a node's loop would. A command that raises comes
+back as `RemoteError` carrying the exception's class name, so a test can check the error type without sharing
+the objects; the child keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+DEFAULT_LAYOUT = {"model": "tiny-test", "dtype": "float32", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
+                  "block_size": 4, "tp_size": 1}
+
+
+def block_pattern(seed: int, num_blocks: int, block_bytes: int) -> np.ndarray:
+    """The region's initial bytes, [num_blocks, block_bytes] uint8: random, so every block differs."""
+    return np.random.default_rng(seed).integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
+
+
+class RemoteError(Exception):
+    """An exception raised in the peer process: `type_name` is its class name, `is_transfer_error` whether it is
+    a kvtransfer TransferError."""
+
+    def __init__(self, type_name: str, message: str, is_transfer_error: bool) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+        self.is_transfer_error = is_transfer_error
+
+
+class PeerProcess:
+    """Starts a peer and waits until its region is registered; `call(command, ...)` runs a command there."""
+
+    def __init__(self, backend: str, *, num_blocks: int = 64, block_bytes: int = 4096, seed: int = 0,
+                 layout: dict[str, Any] | None = None, read_timeout_s: float = 10.0,
+                 env: dict[str, str] | None = None, wait: bool = True) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(
+            target=serve, daemon=True,
+            args=(child_conn, backend, num_blocks, block_bytes, seed, layout or DEFAULT_LAYOUT, read_timeout_s,
+                  env or {}))
+        self.process.start()
+        child_conn.close()
+        self.backend, self.num_blocks, self.block_bytes, self.seed = backend, num_blocks, block_bytes, seed
+        self.metadata, self.agent_name = b"", ""
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 60.0) -> PeerProcess:
+        """Waits until the child has registered its region (start several peers, then wait for each)."""
+        if not self.metadata:
+            self.metadata, self.agent_name = self._receive(timeout)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process.pid is not None, "the peer process has not started"
+        return self.process.pid
+
+    def initial_blocks(self) -> np.ndarray:
+        return block_pattern(self.seed, self.num_blocks, self.block_bytes)
+
+    def call(self, command: str, *args: Any, timeout: float = 20.0) -> Any:
+        self._conn.send((command, args))
+        return self._receive(timeout)
+
+    def _receive(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer {self.backend} pid {self.process.pid} did not answer in {timeout} s "
+                               f"(alive: {self.process.is_alive()})")
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise ConnectionError(f"peer {self.backend} pid {self.process.pid} died "
+                                  f"(exit code {self.process.exitcode})") from None
+        if kind == "error":
+            raise RemoteError(*value)
+        return value
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.signal(signal.SIGKILL)
+        self.process.join(10)
+
+    def stop(self) -> None:
+        """Asks the peer to close its connector and exit; kills it if it does not."""
+        if self.process.is_alive():
+            try:
+                self._conn.send(("exit", ()))
+                self.process.join(15)
+            except (BrokenPipeError, OSError):
+                pass
+        self.kill()
+        self._conn.close()
+
+
+def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, seed: int, layout: dict[str, Any],
+          read_timeout_s: float, env: dict[str, str]) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.update(env)
+    from kvtransfer import KVLayout, KVRegion, PeerId, TransferError, make_connector
+
+    kv = block_pattern(seed, num_blocks, block_bytes)
+    connector = make_connector(backend, layout=KVLayout(**layout), read_timeout_s=read_timeout_s)
+    region = KVRegion.from_buffer(kv)
+    conn.send(("ok", (connector.register(region), connector.agent_name)))
+    inbox: list[tuple[str, bytes]] = []
+
+    def read(peer: str, remote_ids: list[int], local_ids: list[int], wait_s: float) -> dict[str, Any]:
+        started = time.monotonic()
+        handle = connector.read(PeerId(peer), remote_ids, local_ids)
+        status = connector.wait(handle, wait_s)
+        return {"status": status.name, "reason": connector.failure_reason(handle),
+                "seconds": time.monotonic() - started, "num_descriptors": handle.num_descriptors,
+                "num_bytes": handle.num_bytes}
+
+    def notifications(min_count: int, wait_s: float) -> list[tuple[str, bytes]]:
+        deadline = time.monotonic() + wait_s
+        while len(inbox) < min_count and time.monotonic() < deadline:
+            inbox.extend(connector.get_notifications())
+            time.sleep(0.001)
+        inbox.extend(connector.get_notifications())
+        received = list(inbox)
+        inbox.clear()
+        return received
+
+    def checksum(block_ids: list[int]) -> str:
+        from kvtransfer import kv_checksum
+
+        return kv_checksum(region, block_ids)
+
+    commands: dict[str, Callable[..., Any]] = {
+        "ping": lambda: "pong",
+        "add_peer": connector.add_peer,
+        "remove_peer": connector.remove_peer,
+        "read": read,
+        "poll_unknown": lambda: connector.poll(make_foreign_handle()),
+        "notify": connector.notify,
+        "notifications": notifications,
+        "blocks": lambda: kv.copy(),
+        "checksum": checksum,
+        "close": connector.close,
+    }
+    while True:
+        if conn.poll(0.001):
+            command, args = conn.recv()
+            if command == "exit":
+                connector.close()
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", commands[command](*args)))
+            except Exception as e:
+                conn.send(("error", (type(e).__name__, str(e), isinstance(e, TransferError))))
+        try:
+            inbox.extend(connector.get_notifications())
+        except TransferError:  # closed: nothing to make progress on
+            pass
+
+
+def make_foreign_handle() -> Any:
+    from kvtransfer import PeerId, TransferHandle
+
+    return TransferHandle(transfer_id=10**9, peer=PeerId("nobody"), num_blocks=1, num_descriptors=1, num_bytes=1)
