@@ -38,6 +38,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_batch, model.config.hidden_size, dtype=dtype, device=device)
+        self.logits = torch.zeros(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         # largest first, so the smaller graphs fit in the memory pool the largest one made
@@ -48,6 +49,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.hidden[:batch] = model(*args)
+                self.logits[:batch] = model.compute_logits(self.hidden[:batch])
             pool = graph.pool()
             self.graphs[batch] = graph
         torch.cuda.synchronize(device)
@@ -64,7 +66,7 @@ class DecodeGraphs:
         return next((b for b in sorted(self.graphs) if b >= batch), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replays the graph of the smallest bucket that holds the batch; returns hidden states [B, hidden]."""
+        """Replays the graph of the smallest bucket that holds the batch; returns the logits [B, vocab]."""
         batch = input_ids.shape[0]
         bucket = self.bucket(batch)
         assert bucket is not None and meta.block_tables.shape[1] <= self.max_blocks_per_seq, "batch too big"
@@ -77,4 +79,4 @@ class DecodeGraphs:
         self.block_tables[:bucket].zero_()
         self.block_tables[:batch, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.graphs[bucket].replay()
-        return self.hidden[:batch]
+        return self.logits[:batch]

@@ -100,16 +100,16 @@ class ModelRunner:
         # decodes (one new token) first, so the attention backend can batch them
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, sample_rows = self._prepare(items)
+        sampling = [item for item in items if item.samples]
         if self.graphs is not None and meta.num_decodes == len(items) and self.graphs.bucket(len(items)):
-            hidden = self.graphs.run(input_ids, positions, meta)
+            logits = self.graphs.run(input_ids, positions, meta)  # every decode row samples
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        sampling = [item for item in items if item.samples]
-        if not sampling:
-            return {}
-        if len(sample_rows) < hidden.shape[0]:  # only rows that reach the end of their tokens need logits
-            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
+            if not sampling:
+                return {}
+            if len(sample_rows) < hidden.shape[0]:  # only rows that reach the end of their tokens need logits
+                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)
         rows = [self._sampling_row(item) for item in sampling]
         tokens = self.sampler(logits, rows)
         return {item.request.request_id: token for item, token in zip(sampling, tokens, strict=True)}
@@ -135,20 +135,23 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(input_ids) - 1)
         max_blocks = max(len(item.request.block_ids) for item in items)
-        tables = [item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids)) for item in items]
-        dev = self.device
+        tables = [block for item in items
+                  for block in item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids))]
+        # one host-to-device copy for all of the step's integers, instead of one per tensor
+        sizes = [len(input_ids), len(positions), len(slots), len(starts), len(seq_lens), len(tables)]
+        packed = torch.tensor(input_ids + positions + slots + starts + seq_lens + tables, dtype=torch.int64)
+        ids_d, positions_d, slots_d, starts_d, seq_lens_d, tables_d = packed.to(self.device).split(sizes)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=slots_d,
+            query_start_loc=starts_d.to(torch.int32),
+            seq_lens=seq_lens_d.to(torch.int32),
+            block_tables=tables_d.to(torch.int32).view(len(items), max_blocks),
             num_decodes=sum(1 for item in items if item.num_new_tokens == 1),
             query_start_loc_host=starts,
             seq_lens_host=seq_lens,
             sliding_window=self.sliding_window,
         )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, sample_rows)
+        return ids_d, positions_d, meta, sample_rows
 
     @staticmethod
     def _sampling_row(item: ScheduledRequest) -> SamplingRow:
