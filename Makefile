@@ -14,12 +14,17 @@ $(VENV)/.installed: pyproject.toml
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1; \
 	  else echo "warning: libibverbs1 is missing: the Mooncake KV backend will not load"; fi; }
+	# the registry's tests start a real redis-server
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; \
+	  else echo "warning: redis-server is missing: the registry tests will fail"; fi; }
 	# torch before anything that depends on it, so pip takes the local CPU wheel.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,kv-cpu]'
 	touch $@
 
-PACKAGES := engine kvtransfer protos node_common prefill_node decode_node proxy
+PACKAGES := engine kvtransfer protos node_common prefill_node decode_node proxy cluster
 
 lint: setup
 	$(VENV)/bin/ruff check $(PACKAGES) tests bench

@@ -1,0 +1,1 @@
+"""Cluster operations: Ray-placed pools, the tandem CLI, the admin API."""
