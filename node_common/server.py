@@ -1,11 +1,26 @@
-"""Starting a node: logging, the engine thread, the gRPC server, and a clean stop on SIGTERM/SIGINT."""
+"""Starting a node: logging, the engine thread, the gRPC server, and a draining stop on SIGTERM/SIGINT.
+
+How a node leaves (scale-down, rolling restart) without failing a request:
+1. The first SIGTERM/SIGINT starts the drain. `on_drain` runs: the node leaves the registry (or marks itself
+   draining there), so routers stop choosing it.
+2. For `DrainPolicy.announce_s` the node keeps serving everything, new RPCs included: a router that chose it
+   just before it left may still send a request (the registry is polled, not pushed).
+3. It then waits until it is idle: no RPC in flight and no request in the engine. On a prefill node that
+   includes pinned KV tickets: a decode node is still to pull their blocks and release them, so the KV
+   transfer endpoint and the Release/ExtendLease RPCs must stay up until then. At most `timeout_s`.
+4. The gRPC server stops with a short grace (anything still in flight gets it), then the engine and the
+   connector stop. A second signal skips the wait.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -14,13 +29,74 @@ from engine.async_engine import AsyncEngine
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class DrainPolicy:
+    announce_s: float = 2.0  # keep taking new RPCs this long after on_drain (routers' view lags the registry)
+    timeout_s: float = 120.0  # give up waiting for in-flight work after this long
+    grace_s: float = 5.0  # what RPCs still in flight get when the server finally stops
+    poll_s: float = 0.05
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+class InFlightRPCs(grpc.aio.ServerInterceptor):
+    """Counts the RPCs being served, streams included, so a drain knows when the last one has finished."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._count_unary(handler.unary_unary), request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._count_stream(handler.unary_stream), request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler  # the nodes have no client-streaming RPCs
+
+    def _count_unary(self, method: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def counted(request: Any, context: Any) -> Any:
+            self.count += 1
+            try:
+                return await method(request, context)
+            finally:
+                self.count -= 1
+
+        return counted
+
+    def _count_stream(self, method: Callable[[Any, Any], AsyncIterator[Any]]
+                      ) -> Callable[[Any, Any], AsyncIterator[Any]]:
+        async def counted(request: Any, context: Any) -> AsyncIterator[Any]:
+            self.count += 1
+            try:
+                async for response in method(request, context):
+                    yield response
+            finally:
+                self.count -= 1
+
+        return counted
+
+
 async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], None], host: str, port: int,
-                on_stop: Callable[[], None]) -> None:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                on_stop: Callable[[], None], on_drain: Callable[[], Awaitable[None]] | None = None,
+                drain: DrainPolicy | None = None) -> None:
+    """Serves until SIGTERM/SIGINT, then drains (see the module docstring) and stops.
+
+    `on_drain` takes the node out of routing (registry); without one nobody can be told, so the node does
+    not wait `announce_s` and only lets the work it already has finish.
+    """
+    drain = drain or DrainPolicy()
+    in_flight = InFlightRPCs()
+    server = grpc.aio.server(interceptors=[in_flight],
+                             options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     add_services(server)
     if server.add_insecure_port(f"{host}:{port}") == 0:
@@ -30,12 +106,49 @@ async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], N
     # the line tests and operators wait for
     logger.info("serving on %s:%d", host, port)
     print(f"READY {host}:{port}", flush=True)
-    stop = asyncio.Event()
+
+    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.info("stopping")
-    await server.stop(grace=2)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    await signals.get()
+    logger.info("draining: finishing in-flight requests before stopping")
+    drained = asyncio.create_task(_drain(engine, in_flight, on_drain, drain))
+    second_signal = asyncio.create_task(signals.get())
+    done, _ = await asyncio.wait({drained, second_signal}, return_when=asyncio.FIRST_COMPLETED)
+    if second_signal in done:
+        logger.warning("second signal: stopping without waiting for in-flight requests")
+        drained.cancel()
+        grace = 0.0
+    else:
+        second_signal.cancel()
+        grace = drain.grace_s
+    await server.stop(grace=grace)
     engine.stop()
     on_stop()
+    logger.info("stopped")
+
+
+async def _drain(engine: AsyncEngine, in_flight: InFlightRPCs, on_drain: Callable[[], Awaitable[None]] | None,
+                 drain: DrainPolicy) -> None:
+    started = time.monotonic()
+    if on_drain is not None:
+        try:
+            await asyncio.wait_for(on_drain(), timeout=10.0)
+        except Exception:  # noqa: BLE001 - leaving the registry failed: its TTL still takes the node out
+            logger.exception("leaving the registry failed; waiting for the registry entry to expire instead")
+        await asyncio.sleep(drain.announce_s)
+    while time.monotonic() - started < drain.timeout_s:
+        if in_flight.count == 0 and await _engine_idle(engine):
+            logger.info("drained in %.1f s", time.monotonic() - started)
+            return
+        await asyncio.sleep(drain.poll_s)
+    logger.warning("drain timed out after %.0f s with %d RPCs in flight", drain.timeout_s, in_flight.count)
+
+
+async def _engine_idle(engine: AsyncEngine) -> bool:
+    """No request in the engine: running, waiting, or finished with pinned KV blocks (a prefill node's
+    tickets that a decode node has not pulled and released yet)."""
+    if not engine.healthy:
+        return True  # a dead engine finishes nothing: waiting longer helps no one
+    return await engine.call(lambda e: not e.requests)

@@ -1,12 +1,21 @@
-"""The OpenAI request and response shapes: validation into our types, and the error envelope."""
+"""The OpenAI request shapes, validated into our types, and the error envelope.
+
+Both endpoints take OpenAI's parameters plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
+repetition_penalty, stop_token_ids, include_stop_str_in_output, skip_special_tokens). Anything malformed
+becomes an APIError (HTTP 400 with the field in `param`); a parameter we cannot honour yet is refused
+rather than silently ignored.
+"""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.types import SamplingParams
+
+# More choices than this in one request is a mistake or an attack, not a use case.
+MAX_CHOICES = 128
+MAX_TOP_LOGPROBS = 20
 
 
 class APIError(Exception):
@@ -26,79 +35,235 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What both endpoints share: how to sample and how to answer.
+
+    `params.n` is the number of choices per prompt; `params.logprobs` the top-N logprobs asked for per
+    token (None: no logprobs at all). `params.max_tokens` None means up to the model's context."""
+
+    model: str
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    model: str
-    prompt: str | list[int]
-    params: SamplingParams
-    stop: list[str]
-    stream: bool
-    include_stop_str_in_output: bool
+    prompts: list[str | list[int]]  # one or more; choices come prompt-major: index = prompt * n + sample
+    generation: Generation
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[ChatMessage]
+    add_generation_prompt: bool
+    generation: Generation
+
+
+# ---- field readers: each raises a 400 naming the field ----
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+             dict: "an object"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
 def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any) -> Any:
-    value = body.get(key, default)
+    value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise bad_request(f"'{key}' must be {' or '.join(k.__name__ for k in kinds)}", key)
-    if not isinstance(value, kinds):
-        raise bad_request(f"'{key}' must be {' or '.join(k.__name__ for k in kinds)}", key)
+    # bool is an int subclass: true is no integer, and 1 is no boolean
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise bad_request(f"'{key}' must be {_kind_names(kinds)}, got {value!r}"[:300], key)
     return value
 
 
-def parse_completion(body: Any) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    model = _typed(body, "model", (str,), "")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        pass
-    elif not isinstance(prompt, str):
-        raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
-    if isinstance(prompt, str) and not prompt:
-        raise bad_request("'prompt' must not be empty", "prompt")
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    return float(_typed(body, key, (int, float), default))
+
+
+def _integer(body: dict[str, Any], key: str, default: int | None) -> int | None:
+    value = body.get(key)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # some clients send 16.0
+    result: int | None = _typed(body, key, (int,), default)
+    return result
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    return bool(_typed(body, key, (bool,), default))
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
     stop = body.get("stop")
+    if stop is None:
+        return []
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
-    n = _typed(body, "n", (int,), 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported on this endpoint for now", "n")
-    seed = _typed(body, "seed", (int,), None)
+    return stop
+
+
+def _token_ids(value: Any, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise bad_request(f"'{key}' must be a list of integers", key)
+    return value
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    logit_bias = body.get("logit_bias")
+    if logit_bias:
+        raise bad_request("'logit_bias' is not supported yet", "logit_bias", "unsupported_parameter")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind in ("json_object", "json_schema"):
+            raise bad_request(f"response_format type '{kind}' (structured output) is not supported yet; "
+                              "only 'text' is", "response_format", "unsupported_parameter")
+        if kind != "text":
+            raise bad_request("'response_format' must be an object with type 'text', 'json_object' or "
+                              "'json_schema'", "response_format")
+
+
+def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: int | None) -> Generation:
+    model = _typed(body, "model", (str,), "")
+    n = _integer(body, "n", 1)
+    assert n is not None
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
+    best_of = _integer(body, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' other than n is not supported", "best_of", "unsupported_parameter")
+    if num_top_logprobs is not None and not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"the number of top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {num_top_logprobs}",
+                          "top_logprobs" if "top_logprobs" in body else "logprobs")
+    _refuse_unsupported(body)
+    stop_token_ids = body.get("stop_token_ids")
     try:
         params = SamplingParams(
-            temperature=float(_typed(body, "temperature", (int, float), 1.0)),
-            top_p=float(_typed(body, "top_p", (int, float), 1.0)),
-            top_k=_typed(body, "top_k", (int,), 0), min_p=float(_typed(body, "min_p", (int, float), 0.0)),
-            seed=seed, max_tokens=_typed(body, "max_tokens", (int,), 16),
-            min_tokens=_typed(body, "min_tokens", (int,), 0),
-            presence_penalty=float(_typed(body, "presence_penalty", (int, float), 0.0)),
-            frequency_penalty=float(_typed(body, "frequency_penalty", (int, float), 0.0)),
-            repetition_penalty=float(_typed(body, "repetition_penalty", (int, float), 1.0)),
-            ignore_eos=bool(_typed(body, "ignore_eos", (bool,), False)),
-            stop_token_ids=_typed(body, "stop_token_ids", (list,), None))
+            n=n, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+            top_k=_integer(body, "top_k", 0) or 0, min_p=_number(body, "min_p", 0.0),
+            seed=_integer(body, "seed", None), max_tokens=max_tokens,
+            min_tokens=_integer(body, "min_tokens", 0) or 0,
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            stop=_stop(body),
+            stop_token_ids=None if stop_token_ids is None else _token_ids(stop_token_ids, "stop_token_ids"),
+            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+            ignore_eos=_flag(body, "ignore_eos", False), logprobs=num_top_logprobs,
+            skip_special_tokens=_flag(body, "skip_special_tokens", True))
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise bad_request(str(e), field) from e
-    return CompletionRequest(model, prompt, params, list(stop or []), bool(_typed(body, "stream", (bool,), False)),
-                             bool(_typed(body, "include_stop_str_in_output", (bool,), False)))
+    stream = _flag(body, "stream", False)
+    stream_options = _typed(body, "stream_options", (dict,), None)
+    if stream_options is not None and not stream:
+        raise bad_request("'stream_options' is only allowed with stream=true", "stream_options")
+    include_usage = bool(_typed(stream_options or {}, "include_usage", (bool,), False))
+    return Generation(model, params, stream, include_usage)
 
 
-def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None,
-                     created: int | None = None) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+def _body(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+# ---- the two endpoints ----
+
+def parse_completion(raw: Any) -> CompletionRequest:
+    body = _body(raw)
+    prompt = body.get("prompt")
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_token_ids(p, "prompt") for p in prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = [_token_ids(prompt, "prompt")]
+    else:
+        raise bad_request("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    if any(not p for p in prompts):
+        raise bad_request("'prompt' must not be empty", "prompt")
+    if _flag(body, "echo", False):
+        raise bad_request("'echo' is not supported yet", "echo", "unsupported_parameter")
+    if body.get("suffix"):
+        raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
+    generation = _generation(body, _integer(body, "max_tokens", 16), _integer(body, "logprobs", None))
+    if len(prompts) * generation.params.n > MAX_CHOICES:
+        raise bad_request(f"prompts x n must be at most {MAX_CHOICES}", "n")
+    return CompletionRequest(prompts, generation)
+
+
+def _message_content(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def _messages(value: Any) -> list[ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise bad_request("tool calls are not supported yet", "messages", "unsupported_parameter")
+        name = message.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad_request(f"messages[{i}].name must be a string", "messages")
+        messages.append(ChatMessage(message["role"], _message_content(message.get("content"), i), name))
+    return messages
+
+
+def parse_chat(raw: Any) -> ChatRequest:
+    body = _body(raw)
+    messages = _messages(body.get("messages"))
+    if body.get("tools") or body.get("functions"):
+        raise bad_request("tools and function calling are not supported yet", "tools", "unsupported_parameter")
+    max_tokens = _integer(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", None)
+    num_top_logprobs = _integer(body, "top_logprobs", None)
+    if _flag(body, "logprobs", False):
+        num_top_logprobs = num_top_logprobs or 0
+    elif num_top_logprobs is not None:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    generation = _generation(body, max_tokens, num_top_logprobs)
+    return ChatRequest(messages, _flag(body, "add_generation_prompt", True), generation)
+
+
+def with_max_tokens(generation: Generation, max_tokens: int) -> Generation:
+    return replace(generation, params=replace(generation.params, max_tokens=max_tokens))
