@@ -16,6 +16,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,11 +41,14 @@ def start(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes],
     env.pop("TRITON_INTERPRET", None)
     process = subprocess.Popen(
         [sys.executable, "-m", f"{role}_node", "--model", args.model, "--dtype", args.dtype, "--port", str(port),
-         "--kv-backend", args.backend, "--log-level", "WARNING", "--max-num-batched-tokens", "4096"],
+         "--kv-backend", args.backend, "--log-level", os.environ.get("TANDEM_LOG_LEVEL", "WARNING"), "--max-num-batched-tokens", "4096"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert process.stdout is not None
     for line in process.stdout:
         if line.startswith(b"READY"):
+            if os.environ.get("TANDEM_LOG_LEVEL"):  # keep the node's log visible
+                threading.Thread(target=lambda: [sys.stderr.write(x.decode()) for x in process.stdout],
+                                 daemon=True).start()
             return process, f"127.0.0.1:{port}"
     raise RuntimeError(f"{role} node did not start")
 

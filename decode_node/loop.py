@@ -82,6 +82,7 @@ class DecodeLoop:
         self.corrupt_transfers = corrupt_transfers  # test hook: flips a byte of every pulled block
         self.num_transfer_failures = 0
         self.num_transferred_bytes = 0
+        self._background: set[asyncio.Future[bool]] = set()  # release calls in flight (kept referenced)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        incoming: IncomingKV, first_token: int, first_logprobs: PositionLogprobs | None,
@@ -90,16 +91,24 @@ class DecodeLoop:
         if ticket.layout_hash != self.layout_hash:
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} has KV layout {ticket.layout_hash}, "
                                                      f"this node {self.layout_hash}")
+        started = time.perf_counter()
         if not await self.leases.extend(incoming.prefill_address, ticket, LEASE_EXTENSION_S):
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} is not live on its prefill node "
                                                      "(released, expired, or the node restarted)", retryable=True)
+        leased = time.perf_counter()
         request, blocks = await self._reserve(request_id, prompt_token_ids, params, incoming, deadline)
+        reserved = time.perf_counter()
         try:
             await self._pull(request, blocks, ticket, deadline)
         except BaseException:
             await self.engine.call(lambda e: e.kv.free(request))
             raise
-        await self.leases.release(incoming.prefill_address, ticket)
+        logger.debug("request %s: lease %.1f ms, reserve %.1f ms, pull+verify %.1f ms", request_id,
+                     (leased - started) * 1e3, (reserved - leased) * 1e3, (time.perf_counter() - reserved) * 1e3)
+        # P frees the blocks in the background: the second token need not wait for that round trip
+        release = asyncio.ensure_future(self.leases.release(incoming.prefill_address, ticket))
+        self._background.add(release)
+        release.add_done_callback(self._background.discard)
 
         events = self.engine.open_stream(request_id)
         finished = False

@@ -211,3 +211,20 @@ def test_a_corrupted_transfer_is_caught_by_the_checksum(backend: str, tiny_model
         wait_until(lambda: c.stats("prefill").num_pinned_tickets == 0)
     finally:
         c.stop()
+
+
+def test_decode_reuses_its_own_prefix_cache_instead_of_pulling(cluster: Cluster, tiny_model: TinyModelFactory
+                                                                ) -> None:
+    from transformers import AutoTokenizer
+
+    shared = prompts(1, 16, seed=10)[0]
+    first, second = shared + [5, 6, 7], shared + [8, 9]
+    assert cluster.complete(prompt=first, max_tokens=3, temperature=0, ignore_eos=True).status_code == 200
+    hits_before = cluster.stats("decode").prefix_cache_hits
+    r = cluster.complete(prompt=second, max_tokens=6, temperature=0, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    # D found the 16-token shared prefix (4 blocks of 4) in its own cache and pulled only the last block
+    assert cluster.stats("decode").prefix_cache_hits - hits_before == 16
+    tokenizer = AutoTokenizer.from_pretrained(str(cluster.model))
+    expected = hf_greedy(tiny_model("llama"), [second], 6)[0]
+    assert r.json()["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
