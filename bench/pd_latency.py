@@ -41,7 +41,8 @@ def start(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes],
     env.pop("TRITON_INTERPRET", None)
     process = subprocess.Popen(
         [sys.executable, "-m", f"{role}_node", "--model", args.model, "--dtype", args.dtype, "--port", str(port),
-         "--kv-backend", args.backend, "--log-level", os.environ.get("TANDEM_LOG_LEVEL", "WARNING"), "--max-num-batched-tokens", "4096"],
+         "--kv-backend", args.backend, "--log-level", os.environ.get("TANDEM_LOG_LEVEL", "WARNING"),
+         "--max-num-batched-tokens", "4096"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert process.stdout is not None
     for line in process.stdout:
