@@ -32,12 +32,16 @@ class TokenEvent:
     stop_reason: int | str | None
 
 
+class EngineDead(Exception):
+    """Sent to every open stream when the engine thread dies."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.002) -> None:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenEvent]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenEvent | EngineDead]]] = {}
         self._tickers: list[Callable[[LLMEngine], None]] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -77,16 +81,17 @@ class AsyncEngine:
         self._commands.put(run)
         return await future
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[TokenEvent]:
-        """A queue that receives the request's tokens. Open it before the request is added."""
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+    def open_stream(self, request_id: str) -> asyncio.Queue[TokenEvent | EngineDead]:
+        """A queue that receives the request's tokens (or EngineDead if the engine thread dies, so no
+        request waits for tokens that will never come). Open it before the request is added."""
+        events: asyncio.Queue[TokenEvent | EngineDead] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), events)
         return events
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def publish(self, request_id: str, event: TokenEvent) -> None:
+    def publish(self, request_id: str, event: TokenEvent | EngineDead) -> None:
         """Sends an event to a request's stream (from the engine thread)."""
         target = self._streams.get(request_id)
         if target is not None:
@@ -104,6 +109,8 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - a dead engine thread must be visible to health checks
             logger.exception("engine thread died")
             self.error = e
+            for request_id in list(self._streams):
+                self.publish(request_id, EngineDead(f"the engine failed: {e!r}"))
 
     def _run_commands(self, block: bool) -> None:
         try:

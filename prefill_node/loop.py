@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.async_engine import AsyncEngine, TokenEvent
+from engine.async_engine import AsyncEngine, EngineDead, TokenEvent
 from engine.llm_engine import LLMEngine
 from engine.types import FinishReason, SamplingParams
 from kvtransfer.ticket import KVTicket
@@ -95,6 +95,8 @@ class PrefillLoop:
             raise PrefillError("DEADLINE_EXCEEDED", f"request {request_id} passed its deadline in prefill") from e
         finally:
             self.engine.close_stream(request_id)
+        if isinstance(first, EngineDead):
+            raise PrefillError("INTERNAL", str(first))
 
         num_cached = request.num_prompt_cached_tokens
         finished = _finishes_request(first, params, request.num_tokens >= request.max_num_tokens)

@@ -1,0 +1,68 @@
+"""The engine thread as asyncio sees it: commands, token streams, and a dead engine failing fast."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import SamplingParams
+from engine.async_engine import AsyncEngine, EngineDead, TokenEvent
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.types import FinishReason
+from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
+
+
+def make_engine(tiny_model: TinyModelFactory) -> AsyncEngine:
+    return AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model("llama")), dtype="float32",
+                                              skip_tokenizer_init=True)))
+
+
+def test_tokens_stream_from_the_engine_thread(tiny_model: TinyModelFactory) -> None:
+    engine = make_engine(tiny_model)
+    engine.start()
+    prompt = [5, 17, 99, 4]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def run() -> list[TokenEvent | EngineDead]:
+        events = engine.open_stream("r")
+        await engine.call(lambda e: e.add_request("r", prompt, params))
+        received = []
+        while not received or (isinstance(received[-1], TokenEvent) and received[-1].finish_reason is None):
+            received.append(await asyncio.wait_for(events.get(), 10))
+        return received
+
+    try:
+        received = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert all(isinstance(e, TokenEvent) for e in received)
+    assert [e.token_id for e in received if isinstance(e, TokenEvent)] == hf_greedy(tiny_model("llama"), [prompt], 6)[0]
+    assert isinstance(received[-1], TokenEvent) and received[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_a_dead_engine_thread_fails_streams_and_calls(tiny_model: TinyModelFactory) -> None:
+    engine = make_engine(tiny_model)
+    armed = []
+
+    def explode(_: LLMEngine) -> None:
+        if armed:
+            raise RuntimeError("boom")
+
+    engine.add_ticker(explode)
+    engine.start()
+
+    async def run() -> TokenEvent | EngineDead:
+        events = engine.open_stream("r")
+        await engine.call(lambda e: armed.append(True))
+        return await asyncio.wait_for(events.get(), 10)
+
+    try:
+        event = asyncio.run(run())
+        assert isinstance(event, EngineDead) and "boom" in str(event)
+        assert not engine.healthy
+        with pytest.raises(RuntimeError, match="stopped"):
+            asyncio.run(engine.call(lambda e: None))
+    finally:
+        engine.stop()
