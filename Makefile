@@ -39,9 +39,11 @@ unit: setup
 
 test: lint unit
 
-serve:
-	@echo "make serve lands with the cluster issue (proxy + nodes); until then use the offline API: see README"
-	@exit 1
+# the whole cluster on this machine (demo model, 1 prefill + 1 decode node, proxy on 127.0.0.1:8000);
+# more flags with e.g. `make serve SERVE_ARGS="--decode-nodes 2"` (see `.venv/bin/tandem serve --help`)
+SERVE_ARGS ?=
+serve: setup
+	$(VENV)/bin/tandem serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV)

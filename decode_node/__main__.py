@@ -1,4 +1,4 @@
-"""python -m decode_node --model DIR --port N [--kv-backend nixl|mooncake] [engine flags]"""
+"""python -m decode_node --model DIR --port N [--kv-backend nixl|mooncake] [--registry redis://H:P] [engine flags]"""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from node_common.kv import kv_layout, open_connector
 from node_common.options import add_node_args, engine_config, node_id
+from node_common.registry import NodeIdentity, Role, advertised_address, registration
 from node_common.server import serve, setup_logging
 from protos import tandem_pb2_grpc
 
@@ -29,11 +30,20 @@ def main() -> None:
     async_engine.add_ticker(lambda _: connector.progress())
     # test hook: flip a byte of every pulled block, to prove the checksum catches corruption
     corrupt = os.environ.get("TANDEM_TEST_CORRUPT_KV") == "1"
-    loop = DecodeLoop(async_engine, connector, region, kv_layout(engine).layout_hash, PrefillLeaseClient(),
-                      corrupt_transfers=corrupt)
+    layout_hash = kv_layout(engine).layout_hash
+    loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient(), corrupt_transfers=corrupt)
     service = DecodeService(loop, async_engine, name, args.model, args.kv_backend)
-    asyncio.run(serve(async_engine, lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(
-        service, server), args.host, args.port, connector.close))
+    identity = NodeIdentity(name, Role.DECODE, advertised_address(args), args.model, layout_hash, args.kv_backend,
+                            args.hash_seed)
+
+    async def run() -> None:
+        async with registration(args, async_engine, identity) as registrar:
+            # on SIGTERM the node is marked draining in the registry first, so the proxy stops choosing it
+            await serve(async_engine, lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(
+                service, server), args.host, args.port, connector.close,
+                on_drain=registrar.set_draining if registrar is not None else None)
+
+    asyncio.run(run())
 
 
 if __name__ == "__main__":

@@ -12,18 +12,23 @@ A request's life on a decode node (D):
 5. D releases the ticket on P and admits the request with num_computed_tokens = len(prompt) and the first
    token appended: from here it is batched like any other request, and its tokens stream back.
 6. A client that goes away, or a deadline that passes, aborts the request and frees its blocks.
+
+A `Generate` without a ticket is a colocated request (the proxy judged prefilling here cheaper than a
+transfer, e.g. a short prompt or one mostly in D's prefix cache): D adds it to its engine like any request,
+prefills it (with its own prefix-cache hits) and streams every token, the first one included.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDead, TokenEvent
 from engine.llm_engine import LLMEngine, PromptBlocks
 from engine.request import Request
 from engine.sampler import SampledToken
@@ -59,6 +64,7 @@ class DecodeOutput:
     logprobs: list[PositionLogprobs]
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
+    num_cached_tokens: int | None = None  # a colocated request's prefix hit here, on its first output
 
 
 class LeaseClient(Protocol):
@@ -111,27 +117,54 @@ class DecodeLoop:
         release.add_done_callback(self._background.discard)
 
         events = self.engine.open_stream(request_id)
-        finished = False
         try:
             first = SampledToken(first_token, first_logprobs)
             if await self.engine.call(lambda e: e.admit_prefilled(request, first)):
-                finished = True
                 yield DecodeOutput([], [], request.finish_reason, _stop_token(request))
                 return
-            while not finished:
-                timeout = None if deadline is None else deadline - time.time()
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout)
-                except TimeoutError as e:
-                    raise DecodeError("DEADLINE_EXCEEDED", f"request {request_id} passed its deadline") from e
-                finished = event.finish_reason is not None
-                stop_id = event.stop_reason if isinstance(event.stop_reason, int) else None
-                yield DecodeOutput([event.token_id], [event.logprobs] if event.logprobs else [],
-                                   event.finish_reason, stop_id)
+            async for out in self._stream(request, events, deadline):
+                yield out
         finally:
-            self.engine.close_stream(request_id)
-            # aborting a finished request only forgets it; an unfinished one (client gone) frees its blocks
-            await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
+            await self._forget(request_id)
+
+    async def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                             deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
+        """A colocated request: prefilled here, every token streamed (the first output carries the prefix hit)."""
+        events = self.engine.open_stream(request_id)
+        try:
+            try:
+                request = await self.engine.call(lambda e: e.add_request(request_id, prompt_token_ids, params))
+            except ValueError as e:
+                raise DecodeError("INVALID_ARGUMENT", str(e)) from e
+            first = True
+            async for out in self._stream(request, events, deadline):
+                if first:  # set when the request was first scheduled, before its first token was sampled
+                    out = dataclasses.replace(out, num_cached_tokens=request.num_prompt_cached_tokens)
+                    first = False
+                yield out
+        finally:
+            await self._forget(request_id)
+
+    async def _stream(self, request: Request, events: asyncio.Queue[TokenEvent | EngineDead],
+                      deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
+        finished = False
+        while not finished:
+            timeout = None if deadline is None else deadline - time.time()
+            try:
+                event = await asyncio.wait_for(events.get(), timeout)
+            except TimeoutError as e:
+                raise DecodeError("DEADLINE_EXCEEDED", f"request {request.request_id} passed its deadline") from e
+            if isinstance(event, EngineDead):
+                raise DecodeError("INTERNAL", str(event))
+            finished = event.finish_reason is not None
+            stop_id = event.stop_reason if isinstance(event.stop_reason, int) else None
+            yield DecodeOutput([event.token_id], [event.logprobs] if event.logprobs else [], event.finish_reason,
+                               stop_id)
+
+    async def _forget(self, request_id: str) -> None:
+        self.engine.close_stream(request_id)
+        # aborting a finished request only forgets it; an unfinished one (client gone) frees its blocks
+        await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
 
     async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        incoming: IncomingKV, deadline: float | None) -> tuple[Request, PromptBlocks]:

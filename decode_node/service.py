@@ -9,7 +9,9 @@ import grpc
 
 from decode_node.loop import DecodeError, DecodeLoop, IncomingKV
 from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
 from kvtransfer import InvalidTicketError, KVTicket
+from node_common.registry import engine_load
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto
@@ -41,21 +43,27 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        colocated = not request.HasField("ticket")  # no ticket: prefill here
         try:
             params = params_from_proto(request.params)
-            incoming = ticket_from_proto(request.ticket)
+            incoming = None if colocated else ticket_from_proto(request.ticket)
         except (ValueError, InvalidTicketError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         deadline = request.deadline or None
         if deadline is not None and deadline <= time.time():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
-        outputs = self.loop.generate(request.request_id, list(request.prompt_token_ids), params, incoming,
-                                     request.first_token, logprobs_from_proto(request.first_logprobs), deadline)
+        prompt = list(request.prompt_token_ids)
+        if incoming is None:
+            outputs = self.loop.generate_local(request.request_id, prompt, params, deadline)
+        else:
+            outputs = self.loop.generate(request.request_id, prompt, params, incoming, request.first_token,
+                                         logprobs_from_proto(request.first_logprobs), deadline)
         try:
             async for out in outputs:
                 response = pb.GenerateResponse(token_ids=out.token_ids,
                                                finish_reason=str(out.finish_reason or ""),
-                                               stop_token_id=-1 if out.stop_token_id is None else out.stop_token_id)
+                                               stop_token_id=-1 if out.stop_token_id is None else out.stop_token_id,
+                                               num_cached_tokens=out.num_cached_tokens or 0)
                 for position in out.logprobs:
                     response.logprobs.append(logprobs_to_proto(position))
                 yield response
@@ -73,11 +81,14 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                                  layout_hash=self.loop.layout_hash, model=self.model, kv_backend=self.kv_backend)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        def stats(engine) -> pb.StatsResponse:  # type: ignore[no-untyped-def]
+        def stats(engine: LLMEngine) -> pb.StatsResponse:
+            load = engine_load(engine)
             return pb.StatsResponse(
-                free_kv_blocks=engine.kv.num_free_blocks, total_kv_blocks=engine.kv.num_blocks,
-                num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+                free_kv_blocks=load.free_kv_blocks, total_kv_blocks=engine.kv.num_blocks,
+                num_running=load.num_running, num_waiting=load.num_waiting,
                 num_transfer_failures=self.loop.num_transfer_failures,
-                prefix_cache_queries=engine.kv.num_queried_tokens, prefix_cache_hits=engine.kv.num_hit_tokens)
+                prefix_cache_queries=engine.kv.num_queried_tokens, prefix_cache_hits=engine.kv.num_hit_tokens,
+                max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens,
+                num_queued_prefill_tokens=load.num_queued_prefill_tokens)
 
         return await self.engine.call(stats)

@@ -13,9 +13,11 @@ from typing import NamedTuple
 
 import torch
 
+from engine.cache.block_pool import KVEvent
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_token
+from engine.hashing import BlockHash
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampler import SampledToken
@@ -213,6 +215,24 @@ class LLMEngine:
         if request.finish_reason is not None and detok is not None:
             detok.flush()  # a character left unfinished at the end shows as U+FFFD, as in a full decode
         return request.finish_reason is not None
+
+    # ---- prefix-cache events (what a node tells the cluster's prefix index) ----
+    def enable_kv_events(self) -> None:
+        """Starts recording prefix-cache changes. Off by default: offline, nobody would drain them."""
+        if self.kv.pool.events is None:
+            self.kv.pool.events = []
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The prefix-cache changes since the last drain, oldest first (empty unless enabled)."""
+        events = self.kv.pool.events
+        if not events:
+            return []
+        self.kv.pool.events = []
+        return events
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every prefix block this engine's cache can find now: a snapshot to resynchronise a listener."""
+        return self.kv.pool.cached_hashes()
 
     # ---- outputs ----
     def output(self, request_id: str) -> CompletionOutput:

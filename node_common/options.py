@@ -7,6 +7,7 @@ import os
 import socket
 
 from engine.config import EngineConfig
+from node_common.registry import add_registry_args
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hash-seed", default="tandem", help="prefix-hash seed; must match cluster-wide")
     parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
+    add_registry_args(parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

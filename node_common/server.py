@@ -112,7 +112,7 @@ async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], N
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     await signals.get()
-    logger.info("draining: finishing in-flight requests before stopping")
+    logger.info("draining: %d RPCs in flight; finishing them before stopping", in_flight.count)
     drained = asyncio.create_task(_drain(engine, in_flight, on_drain, drain))
     second_signal = asyncio.create_task(signals.get())
     done, _ = await asyncio.wait({drained, second_signal}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,4 +1,4 @@
-"""python -m prefill_node --model DIR --port N [--kv-backend nixl|mooncake] [engine flags]"""
+"""python -m prefill_node --model DIR --port N [--kv-backend nixl|mooncake] [--registry redis://H:P] [engine flags]"""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from engine.llm_engine import LLMEngine
 from kvtransfer.ticket import KVTicket, kv_checksum
 from node_common.kv import block_checksums, kv_layout, open_connector
 from node_common.options import add_node_args, engine_config, node_id
+from node_common.registry import NodeIdentity, Role, advertised_address, registration
 from node_common.server import serve, setup_logging
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import PrefillService
@@ -45,8 +46,17 @@ def main() -> None:
     loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket)
     service = PrefillService(loop, async_engine, f"{args.host}:{args.port}", layout_hash, args.model,
                              args.kv_backend)
-    asyncio.run(serve(async_engine, lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(
-        service, server), args.host, args.port, connector.close))
+    identity = NodeIdentity(name, Role.PREFILL, advertised_address(args), args.model, layout_hash, args.kv_backend,
+                            args.hash_seed, loop.incarnation)
+
+    async def run() -> None:
+        async with registration(args, async_engine, identity) as registrar:
+            # on SIGTERM the node is marked draining in the registry first, so the proxy stops choosing it
+            await serve(async_engine, lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(
+                service, server), args.host, args.port, connector.close,
+                on_drain=registrar.set_draining if registrar is not None else None)
+
+    asyncio.run(run())
 
 
 if __name__ == "__main__":

@@ -1,34 +1,42 @@
-"""python -m proxy --prefill HOST:PORT --decode HOST:PORT --model DIR [--port 8000]"""
+"""python -m proxy (--registry redis://HOST:PORT | --prefill HOST:PORT --decode HOST:PORT) --model DIR
+[--port 8000] [--api-key KEY] [--routing prefix_load|round_robin] [--block-size N --hash-seed S]"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import uvicorn
 
 from engine.tokenizer import load_tokenizer
-from proxy.app import ProxyState, create_app
-from proxy.clients import DecodeClient, PrefillClient
-from proxy.pd import PDPipeline
+from proxy.app import ProxyState, create_app, read_max_model_len
+from proxy.pd import add_routing_args, pipeline_from_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m proxy", description=__doc__)
-    parser.add_argument("--prefill", action="append", required=True, help="HOST:PORT of a prefill node")
-    parser.add_argument("--decode", action="append", required=True, help="HOST:PORT of a decode node")
-    parser.add_argument("--model", required=True, help="model directory (for its tokenizer)")
+    add_routing_args(parser)  # --prefill/--decode/--registry, --routing and the cluster's hashing
+    parser.add_argument("--model", required=True, help="model directory (for its tokenizer and context length)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                        help="clients must send 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY; none: open)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-num-requests", type=int, default=None,
+                        help="choices in flight at this proxy before it answers 429 (default: no limit)")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    pipeline = PDPipeline([PrefillClient(a) for a in args.prefill], [DecodeClient(a) for a in args.decode])
-    state = ProxyState(pipeline, load_tokenizer(Path(args.model)), args.served_model_name or Path(args.model).name,
-                       args.request_timeout)
+    model = Path(args.model)
+    pipeline = pipeline_from_args(parser, args)
+    state = ProxyState(pipeline, load_tokenizer(model), args.served_model_name or model.name, args.request_timeout,
+                       max_model_len=read_max_model_len(model, args.max_model_len), api_key=args.api_key or None,
+                       max_num_requests=args.max_num_requests)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
 
 

@@ -1,171 +1,295 @@
-"""The starlette app: /health, /v1/models, /v1/completions (streaming and not)."""
+"""The starlette app: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions), /health, /metrics.
+
+A request's path: authorize → parse (openai_api) → tokenize (chat template for chat) → check the context
+length → fan out its choices through the pipeline (serving) → format (responses), whole or as SSE.
+A streamed response starts only once the first token is there, so errors before it (429, 503, a node's
+400) keep their HTTP status; later errors arrive as an error event before [DONE]. A client that goes
+away, streaming or not, cancels its choices, which aborts them on the nodes.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
 
-import grpc
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.types import FinishReason, SamplingParams
-from proxy.clients import NodeError
-from proxy.openai_api import APIError, CompletionRequest, bad_request, completion_chunk, parse_completion, usage
-from proxy.pd import PDPipeline
+from proxy.metrics import poll_nodes
+from proxy.openai_api import APIError, Generation, bad_request, parse_chat, parse_completion
+from proxy.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
+from proxy.serving import ProxyState, SubRequest, fan_out, generate
+
+__all__ = ["ProxyState", "create_app", "read_max_model_len"]
 
 logger = logging.getLogger(__name__)
-
-_STATUS_OF_NODE_ERROR = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
+T = TypeVar("T")
+Format = CompletionFormat | ChatFormat
 
 
-@dataclass
-class ProxyState:
-    pipeline: PDPipeline
-    tokenizer: Any
-    served_model_name: str
-    request_timeout_s: float = 600.0
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
 
 
-class TextStream:
-    """Token ids in, text out, with stop strings: text that could still become a stop string is held back
-    until it cannot (or the request ends), so a stop string never leaks into a stream."""
-
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
-        self.params = params
-        self.holdback = max((len(s) for s in params.stop or []), default=1) - 1
-        self.num_sent = 0
-        self.stop_string: str | None = None
-
-    def push(self, token_ids: list[int], stop_token_id: int | None) -> None:
-        for token_id in token_ids:
-            if token_id == stop_token_id and not self.params.include_stop_str_in_output:
-                continue
-            self.detok.push(token_id)
-            self.stop_string = self.detok.check_stop()
-            if self.stop_string is not None:
-                return
-
-    def take(self, final: bool) -> str:
-        if final and self.stop_string is None:
-            self.detok.flush()
-        text = self.detok.text
-        end = len(text) if final or self.stop_string is not None else max(self.num_sent, len(text) - self.holdback)
-        delta = text[self.num_sent:end]
-        self.num_sent = end
-        return delta
+def read_max_model_len(model_dir: Path, override: int | None = None) -> int | None:
+    """The context length from the model's config.json (max_position_embeddings), capped by `override`."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config.get("text_config", config)
+    native = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    lengths = [x for x in (native, override) if isinstance(x, int) and x > 0]
+    return min(lengths) if lengths else None
 
 
 def create_app(state: ProxyState) -> Starlette:
+    state.metrics.cluster.decision_counts = lambda: _decision_counts(state)
+
     async def health(request: Request) -> Response:
-        checks = [c.health(timeout=1.0) for c in (*state.pipeline.prefill_nodes, *state.pipeline.decode_nodes)]
-        try:
-            replies = await asyncio.gather(*checks)
-        except grpc.aio.AioRpcError as e:
-            return JSONResponse({"status": "unavailable", "detail": e.details()}, status_code=503)
-        if not all(r.ready for r in replies):
-            return JSONResponse({"status": "unavailable", "detail": "a node is not ready"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        await _start_pipeline(state)
+        nodes = await poll_nodes(state.pipeline, with_stats=False)
+        ready = {role: sum(1 for n in nodes if n.role == role and n.up) for role in ("prefill", "decode")}
+        # a decode node can serve alone (the router colocates when no prefill node can take a request)
+        status = "unavailable" if not ready["decode"] else "ok" if ready["prefill"] else "degraded"
+        return JSONResponse({"status": status, "ready_nodes": ready}, status_code=503 if not ready["decode"] else 200)
+
+    async def metrics(request: Request) -> Response:
+        await _start_pipeline(state)
+        state.metrics.cluster.nodes = await poll_nodes(state.pipeline)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "tandem",
+                "max_model_len": state.max_model_len}
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "tandem"}]})
+        try:
+            _authorize(state, request)
+        except APIError as e:
+            return _error_response(e)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request: Request) -> Response:
+        try:
+            _authorize(state, request)
+            _check_model(state, request.path_params["model"])
+        except APIError as e:
+            return _error_response(e)
+        return JSONResponse(model_card())
 
     async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise bad_request("the request body is not valid JSON") from None
-            completion = parse_completion(body)
-            if completion.model and completion.model != state.served_model_name:
-                raise APIError(404, f"the model '{completion.model}' does not exist", "model", "model_not_found",
-                               "NotFoundError")
-            prompt_ids = _prompt_ids(state, completion)
+            _authorize(state, request)
+            parsed = parse_completion(await _json(request))
+            _check_model(state, parsed.generation.model)
+            prompts = [_prompt_ids(state, p) for p in parsed.prompts]
         except APIError as e:
             return _error_response(e)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        params = dataclasses.replace(completion.params, stop=completion.stop,
-                                     include_stop_str_in_output=completion.include_stop_str_in_output)
-        chunks = _run(state, request_id, prompt_ids, params)
-        if completion.stream:
-            return StreamingResponse(_sse(state, request_id, chunks), media_type="text/event-stream")
-        try:
-            text, finish, num_out, cached = "", None, 0, 0
-            async for delta, finish_reason, count, cached_now in chunks:
-                text += delta
-                num_out += count
-                cached = cached_now if cached_now is not None else cached
-                finish = finish_reason or finish
-        except APIError as e:
-            return _error_response(e)
-        body = completion_chunk(request_id, state.served_model_name, text, finish)
-        body["usage"] = usage(len(prompt_ids), num_out, cached)
-        return JSONResponse(body)
+        return await _serve(request, state, CompletionFormat, prompts, parsed.generation, arrival, "prompt")
 
-    return Starlette(routes=[
-        Route("/health", health), Route("/v1/models", models),
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            _authorize(state, request)
+            parsed = parse_chat(await _json(request))
+            _check_model(state, parsed.generation.model)
+            prompt_ids = _chat_prompt_ids(state, [m.as_template_input() for m in parsed.messages],
+                                          parsed.add_generation_prompt)
+        except APIError as e:
+            return _error_response(e)
+        return await _serve(request, state, ChatFormat, [prompt_ids], parsed.generation, arrival, "messages")
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return _error_response(APIError(500, "internal error", code="internal_error", kind="server_error"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await _start_pipeline(state)
+        try:
+            yield
+        finally:
+            close = getattr(state.pipeline, "close", None)
+            if close is not None:
+                await close()
+
+    return Starlette(lifespan=lifespan, routes=[
+        Route("/health", health), Route("/metrics", metrics),
+        Route("/v1/models", models), Route("/v1/models/{model:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
-    ])
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ], exception_handlers={HTTPException: http_error, Exception: internal_error})
 
 
-def _prompt_ids(state: ProxyState, completion: CompletionRequest) -> list[int]:
-    if isinstance(completion.prompt, str):
-        return list(state.tokenizer.encode(completion.prompt))
+async def _start_pipeline(state: ProxyState) -> None:
+    """Loads the pipeline's node table (idempotent), so /health sees registered nodes before any request."""
+    start = getattr(state.pipeline, "start", None)
+    if start is not None:
+        await start()
+
+
+def _decision_counts(state: ProxyState) -> Any:
+    """The router's counts of routing decisions by mode, where the pipeline has a router that keeps them."""
+    router = getattr(state.pipeline, "router", None)
+    return getattr(router, "decision_counts", None) or getattr(state.pipeline, "decision_counts", None)
+
+
+# ---- the request edge ----
+
+def _authorize(state: ProxyState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad_request("the request body is not valid JSON") from None
+
+
+def _check_model(state: ProxyState, model: str) -> None:
+    if model and model != state.served_model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+def _prompt_ids(state: ProxyState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return list(state.tokenizer.encode(prompt))
     vocab = len(state.tokenizer)
-    if any(not 0 <= t < vocab for t in completion.prompt):
+    if any(not 0 <= t < vocab for t in prompt):
         raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-    return completion.prompt
+    return prompt
 
 
-async def _run(state: ProxyState, request_id: str, prompt_ids: list[int], params: SamplingParams
-               ) -> AsyncIterator[tuple[str, str | None, int, int | None]]:
-    """(text delta, finish reason, new token count, cached prompt tokens) per step of the request."""
-    text = TextStream(state.tokenizer, prompt_ids, params)
-    deadline = time.time() + state.request_timeout_s
-    stream = state.pipeline.generate(request_id, prompt_ids, params, deadline)
+def _chat_prompt_ids(state: ProxyState, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     try:
-        async for chunk in stream:
-            text.push(chunk.token_ids, chunk.stop_token_id)
-            if text.stop_string is not None:
-                yield text.take(final=True), str(FinishReason.STOP), len(chunk.token_ids), chunk.num_cached_tokens
-                return  # closing the stream aborts the rest of the request on the nodes
-            finish = str(chunk.finish_reason) if chunk.finish_reason else None
-            yield text.take(final=finish is not None), finish, len(chunk.token_ids), chunk.num_cached_tokens
-    except NodeError as e:
-        logger.warning("request %s failed: %s", request_id, e)
-        raise APIError(_STATUS_OF_NODE_ERROR.get(e.code, 502), str(e), code=e.code.name.lower(),
-                       kind="server_error" if e.code not in _STATUS_OF_NODE_ERROR else "invalid_request_error"
-                       ) from e
-    finally:
-        await stream.aclose()
+        text = state.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja errors, a tokenizer with no template: the request cannot be served
+        raise bad_request(f"cannot apply the model's chat template: {e}", "messages") from e
+    # the template writes the special tokens itself
+    return list(state.tokenizer.encode(text, add_special_tokens=False))
 
 
-async def _sse(state: ProxyState, request_id: str,
-               chunks: AsyncIterator[tuple[str, str | None, int, int | None]]) -> AsyncIterator[str]:
-    created = int(time.time())
+def _check_length(state: ProxyState, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
+    limit = state.max_model_len
+    if limit is None:
+        return
+    for prompt in prompts:
+        wanted = len(prompt) + (max_tokens or 1)
+        if wanted > limit:
+            completion = f"{max_tokens} in the completion" if max_tokens else "at least 1 to generate"
+            raise APIError(413, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{wanted} tokens ({len(prompt)} in the {param}, {completion}). Please reduce the "
+                                f"length of the {param} or the completion.", param, "context_length_exceeded")
+
+
+# ---- serving a request ----
+
+async def _serve(request: Request, state: ProxyState, format_class: type[Format], prompts: list[list[int]],
+                 generation: Generation, arrival: float, param: str) -> Response:
+    params = generation.params
     try:
-        async for delta, finish, _, _ in chunks:
-            if delta or finish:
-                payload = completion_chunk(request_id, state.served_model_name, delta, finish, created)
-                yield f"data: {json.dumps(payload)}\n\n"
+        _check_length(state, prompts, params.max_tokens, param)
     except APIError as e:
-        yield f"data: {json.dumps(e.body())}\n\n"
-    yield "data: [DONE]\n\n"
+        return _error_response(e)
+    header = Header(f"{format_class.id_prefix}-{uuid.uuid4().hex}", state.served_model_name, int(time.time()))
+    fmt = format_class(header, params.logprobs is not None, generation.include_usage)
+    subs = fan_out(prompts, params)
+    usage = UsageTally(sum(len(p) for p in prompts), params.n)
+    deltas = generate(state, header.request_id, subs, arrival)
+    try:
+        if not generation.stream:
+            results = await _unless_disconnected(request, _collect(deltas, subs, usage))
+            return JSONResponse(fmt.whole(results, usage))
+        first = await _unless_disconnected(request, anext(deltas))
+    except APIError as e:
+        return _error_response(e)
+    except (ClientGone, StopAsyncIteration):
+        return Response(status_code=499)  # nobody reads it
+    return StreamingResponse(_events(fmt, len(subs), first, deltas, usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect(deltas: AsyncGenerator[ChoiceDelta, None], subs: list[SubRequest], usage: UsageTally
+                   ) -> list[ChoiceResult]:
+    results = [ChoiceResult(sub.index) for sub in subs]
+    try:
+        async for delta in deltas:
+            usage.add(delta)
+            results[delta.index].add(delta)
+    finally:
+        await deltas.aclose()
+    return results
+
+
+async def _events(fmt: Format, num_choices: int, first: ChoiceDelta, deltas: AsyncGenerator[ChoiceDelta, None],
+                  usage: UsageTally) -> AsyncIterator[str]:
+    try:
+        for opening in fmt.opening(num_choices):
+            yield sse(opening)
+        async for delta in _chain(first, deltas):
+            usage.add(delta)
+            chunk = fmt.chunk(delta)
+            if chunk is not None:
+                yield sse(chunk)
+        if fmt.include_usage:
+            yield sse(fmt.closing(usage))
+    except APIError as e:
+        yield sse(e.body())
+    finally:
+        await deltas.aclose()  # the client went away: this aborts every choice on the nodes
+    yield sse("[DONE]")
+
+
+async def _chain(first: ChoiceDelta, rest: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    yield first
+    async for delta in rest:
+        yield delta
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (and `work` cancelled) when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    # the body is read already: the next message is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error_response(e: APIError) -> JSONResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -9,11 +10,16 @@ from dataclasses import dataclass
 import grpc
 
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from node_common.registry import NodeCapacity, NodeLoad
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import logprobs_from_proto, params_to_proto
 
 RETRYABLE_KEY = "tandem-retryable"
+# A node that restarts is reachable again within a second: gRPC's default reconnect backoff grows to 2 minutes,
+# and a channel in backoff fails calls at once.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class NodeError(Exception):
@@ -41,6 +47,36 @@ class Decoded:
     logprobs: list[PositionLogprobs]
     finish_reason: FinishReason | None
     stop_token_id: int | None
+    num_cached_tokens: int | None = None  # a colocated request's prefix hit on D (first output only)
+
+
+@dataclass(frozen=True)
+class StatsReport:
+    """A node's Stats: its load, capacity and counters."""
+
+    free_kv_blocks: int
+    total_kv_blocks: int
+    num_running: int
+    num_waiting: int
+    num_pinned_tickets: int
+    num_leases_expired: int
+    num_transfer_failures: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_queued_prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """A node's answer to Health and Stats (what a node without a registry tells the proxy)."""
+
+    ready: bool
+    node_id: str
+    layout_hash: str
+    capacity: NodeCapacity
+    load: NodeLoad
 
 
 def _error(node: str, e: grpc.aio.AioRpcError) -> NodeError:
@@ -59,24 +95,41 @@ class NodeClient:
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
         return self._channel
 
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
 
-    async def health(self, timeout: float = 2.0) -> pb.HealthResponse:
+    @property
+    def stub(self) -> tandem_pb2_grpc.PrefillServiceStub | tandem_pb2_grpc.DecodeServiceStub:
         raise NotImplementedError
+
+    async def health(self, timeout: float = 2.0) -> pb.HealthResponse:
+        return await self.stub.Health(pb.HealthRequest(), timeout=timeout)
+
+    async def stats(self, timeout: float = 2.0) -> StatsReport:
+        """Raises grpc.aio.AioRpcError when the node does not answer."""
+        r = await self.stub.Stats(pb.StatsRequest(), timeout=timeout)
+        return StatsReport(r.free_kv_blocks, r.total_kv_blocks, r.num_running, r.num_waiting, r.num_pinned_tickets,
+                           r.num_leases_expired, r.num_transfer_failures, r.prefix_cache_queries,
+                           r.prefix_cache_hits, r.max_num_seqs, r.max_num_batched_tokens, r.num_queued_prefill_tokens)
+
+    async def status(self, timeout: float = 2.0) -> NodeStatus:
+        """Health and Stats together. Raises grpc.aio.AioRpcError when the node does not answer."""
+        health, stats = await asyncio.gather(self.health(timeout), self.stats(timeout))
+        capacity = NodeCapacity(total_kv_blocks=stats.total_kv_blocks, max_num_seqs=stats.max_num_seqs,
+                                max_num_batched_tokens=stats.max_num_batched_tokens, block_size=0)
+        load = NodeLoad(free_kv_blocks=stats.free_kv_blocks, num_running=stats.num_running,
+                        num_waiting=stats.num_waiting, num_queued_prefill_tokens=stats.num_queued_prefill_tokens)
+        return NodeStatus(health.ready, health.node_id, health.layout_hash, capacity, load)
 
 
 class PrefillClient(NodeClient):
     @property
     def stub(self) -> tandem_pb2_grpc.PrefillServiceStub:
         return tandem_pb2_grpc.PrefillServiceStub(self.channel)
-
-    async def health(self, timeout: float = 2.0) -> pb.HealthResponse:
-        return await self.stub.Health(pb.HealthRequest(), timeout=timeout)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       deadline: float) -> Prefilled:
@@ -109,20 +162,25 @@ class DecodeClient(NodeClient):
     def stub(self) -> tandem_pb2_grpc.DecodeServiceStub:
         return tandem_pb2_grpc.DecodeServiceStub(self.channel)
 
-    async def health(self, timeout: float = 2.0) -> pb.HealthResponse:
-        return await self.stub.Health(pb.HealthRequest(), timeout=timeout)
-
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prefilled: Prefilled, deadline: float) -> AsyncIterator[Decoded]:
+                       prefilled: Prefilled | None, deadline: float) -> AsyncIterator[Decoded]:
+        """Streams the request's tokens from D. Without `prefilled` (colocated), D prefills the prompt itself
+        and the stream starts with the first token; its first output carries D's prefix hit."""
         message = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     params=params_to_proto(params), ticket=prefilled.ticket,
-                                     first_token=prefilled.first_token, deadline=deadline)
+                                     params=params_to_proto(params), deadline=deadline)
+        if prefilled is not None:
+            assert prefilled.ticket is not None, "a prefilled request reaches D only with its ticket"
+            message.ticket.CopyFrom(prefilled.ticket)
+            message.first_token = prefilled.first_token
         call = self.stub.Generate(message, timeout=max(0.1, deadline - time.time()))
+        first = True
         try:
             async for r in call:
                 yield Decoded(list(r.token_ids), [p for p in map(logprobs_from_proto, r.logprobs) if p],
                               FinishReason(r.finish_reason) if r.finish_reason else None,
-                              r.stop_token_id if r.stop_token_id >= 0 else None)
+                              r.stop_token_id if r.stop_token_id >= 0 else None,
+                              r.num_cached_tokens if first and prefilled is None else None)
+                first = False
         except grpc.aio.AioRpcError as e:
             raise _error(f"decode {self.address}", e) from e
         finally:

@@ -8,7 +8,8 @@ rather than silently ignored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from engine.types import SamplingParams
@@ -97,14 +98,22 @@ def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any
 
 
 def _number(body: dict[str, Any], key: str, default: float) -> float:
-    return float(_typed(body, key, (int, float), default))
+    value = float(_typed(body, key, (int, float), default))
+    if not math.isfinite(value):  # Python's json reads NaN and Infinity
+        raise bad_request(f"'{key}' must be a finite number", key)
+    return value
 
 
-def _integer(body: dict[str, Any], key: str, default: int | None) -> int | None:
+def _integer(body: dict[str, Any], key: str, default: int | None, bits: int = 32) -> int | None:
+    """An integer that fits the wire's signed `bits`-bit field."""
     value = body.get(key)
     if isinstance(value, float) and value.is_integer():
-        return int(value)  # some clients send 16.0
-    result: int | None = _typed(body, key, (int,), default)
+        value = int(value)  # some clients send 16.0
+    else:
+        value = _typed(body, key, (int,), default)
+    if value is not None and not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1) - MAX_CHOICES:
+        raise bad_request(f"'{key}' is out of range", key)
+    result: int | None = value
     return result
 
 
@@ -126,6 +135,8 @@ def _stop(body: dict[str, Any]) -> list[str]:
 def _token_ids(value: Any, key: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise bad_request(f"'{key}' must be a list of integers", key)
+    if any(not 0 <= t < 2**31 for t in value):
+        raise bad_request(f"'{key}' must hold token ids (non-negative integers)", key)
     return value
 
 
@@ -162,7 +173,7 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
         params = SamplingParams(
             n=n, temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
             top_k=_integer(body, "top_k", 0) or 0, min_p=_number(body, "min_p", 0.0),
-            seed=_integer(body, "seed", None), max_tokens=max_tokens,
+            seed=_integer(body, "seed", None, bits=64), max_tokens=max_tokens,
             min_tokens=_integer(body, "min_tokens", 0) or 0,
             presence_penalty=_number(body, "presence_penalty", 0.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
@@ -263,7 +274,3 @@ def parse_chat(raw: Any) -> ChatRequest:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     generation = _generation(body, max_tokens, num_top_logprobs)
     return ChatRequest(messages, _flag(body, "add_generation_prompt", True), generation)
-
-
-def with_max_tokens(generation: Generation, max_tokens: int) -> Generation:
-    return replace(generation, params=replace(generation.params, max_tokens=max_tokens))

@@ -1,22 +1,36 @@
-"""Prefill then decode: one request's path through the cluster, as a stream of token chunks.
+"""One request's path through the cluster, as a stream of token chunks.
 
-P computes the prompt's K/V and the first token; the first token goes to the client at once; D pulls the K/V
-and streams the rest. A retryable failure after the first token re-runs prefill only for a fresh ticket (the
-K/V depends on the prompt alone, so the first token already sent stays valid), at most `max_retries` times.
+The router picks D, the mode and P (proxy/router.py).
+- Colocated: D prefills the prompt itself and streams every token.
+- Disaggregated: P computes the prompt's K/V and the first token; the first token goes to the client at once;
+  D pulls the K/V and streams the rest.
+Failures, at most `max_retries` retries per request in all:
+- a retryable prefill failure runs the prefill again on another P (the same one only when no other can);
+- a retryable failure on D before it streamed anything (a transfer or checksum failure, a ticket gone stale,
+  D unreachable) releases the ticket and prefills again for a fresh ticket, on another P, and on another D
+  when D was unreachable. The K/V depends on the prompt alone, so the first token already sent stays valid;
+- once D has streamed tokens, a failure ends the request with an error (never a replay of sent tokens).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import itertools
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+import grpc
+
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from node_common.registry import Role
 from proxy.clients import DecodeClient, NodeError, PrefillClient, Prefilled
+from proxy.registry import NodeDirectory, NodeState
+from proxy.router import Mode, Route, Router, RouterConfig, RoutingPolicy
 
 logger = logging.getLogger(__name__)
+
+RETRY_PAUSE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -25,64 +39,190 @@ class TokenChunk:
     logprobs: list[PositionLogprobs]
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
-    num_cached_tokens: int | None = None  # on the first chunk: the prefill node's prefix hit
+    num_cached_tokens: int | None = None  # on the first chunk: the prefix hit of the node that prefilled
 
 
 class PDPipeline:
-    def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], max_retries: int = 1) -> None:
-        if not prefill or not decode:
-            raise ValueError("need at least one prefill and one decode node")
-        self.prefill_nodes = prefill
-        self.decode_nodes = decode
+    def __init__(self, directory: NodeDirectory, router: Router, max_retries: int = 2) -> None:
+        self.directory = directory
+        self.router = router
         self.max_retries = max_retries
-        self._next_prefill = itertools.cycle(range(len(prefill)))
-        self._next_decode = itertools.cycle(range(len(decode)))
 
-    def _pick_prefill(self) -> PrefillClient:
-        return self.prefill_nodes[next(self._next_prefill)]
+    # what /health reads: clients of the nodes that routing may use now
+    @property
+    def prefill_nodes(self) -> list[PrefillClient]:
+        return [self.directory.prefill_client(n) for n in self.directory.nodes(Role.PREFILL)]
 
-    def _pick_decode(self) -> DecodeClient:
-        return self.decode_nodes[next(self._next_decode)]
+    @property
+    def decode_nodes(self) -> list[DecodeClient]:
+        return [self.directory.decode_client(n) for n in self.directory.nodes(Role.DECODE)]
+
+    async def start(self) -> None:
+        """Loads the node table and starts watching it (idempotent; `generate` calls it too)."""
+        await self.directory.start()
+
+    async def close(self) -> None:
+        await self.directory.close()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float) -> AsyncGenerator[TokenChunk, None]:
-        prefill = self._pick_prefill()
-        prefilled = await prefill.prefill(request_id, prompt_token_ids, params, deadline)
+        """Raises proxy.errors.NoHealthyNodes / Overloaded before the first chunk, NodeError at any point."""
+        await self.directory.start()
+        route = self.router.route(prompt_token_ids)
+        logger.debug("request %s: %s on %s%s (hit D %d, P %d tokens)", request_id, route.mode.value,
+                     route.decode.node_id, f" after {route.prefill.node_id}" if route.prefill else "",
+                     route.decode_hit_tokens, route.prefill_hit_tokens)
+        chunks = (self._colocated(route, request_id, prompt_token_ids, params, deadline)
+                  if route.mode is Mode.COLOCATED else
+                  self._disaggregated(route, request_id, prompt_token_ids, params, deadline))
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    async def _colocated(self, route: Route, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         deadline: float) -> AsyncGenerator[TokenChunk, None]:
+        decode = route.decode
+        tried: set[str] = set()
+        finished = False
+        try:
+            for attempt in range(self.max_retries + 1):
+                started = False
+                try:
+                    with self.router.decoding(decode):
+                        async for out in self.directory.decode_client(decode).generate(
+                                request_id, prompt_token_ids, params, None, deadline):
+                            started = True
+                            finished = out.finish_reason is not None
+                            yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id,
+                                             out.num_cached_tokens)
+                    return
+                except NodeError as e:
+                    tried.add(decode.address)
+                    # only an unreachable D is worth leaving; its other errors would repeat elsewhere
+                    other = self.router.another_decode(tried) if e.code == grpc.StatusCode.UNAVAILABLE else None
+                    if started or not e.retryable or attempt == self.max_retries or other is None:
+                        raise
+                    logger.warning("request %s: %s; running it on %s instead", request_id, e, other.node_id)
+                    decode = other
+        finally:
+            if not finished:  # client gone, deadline or error: stop D's work
+                await asyncio.shield(self.directory.decode_client(decode).abort(request_id))
+
+    async def _disaggregated(self, route: Route, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams, deadline: float) -> AsyncGenerator[TokenChunk, None]:
+        assert route.prefill is not None, "a disaggregated route has a prefill node"
+        prefill, decode = route.prefill, route.decode
+        tried_prefill: set[str] = set()
+        retries = 0
+        while True:
+            try:
+                prefilled = await self._prefill(prefill, request_id, prompt_token_ids, params, deadline)
+                break
+            except NodeError as e:
+                tried_prefill.add(prefill.address)
+                other = self.router.another_prefill(route, decode, tried_prefill)
+                if not e.retryable or retries == self.max_retries or other is None:
+                    raise
+                retries += 1
+                logger.warning("request %s: %s; prefilling on %s instead", request_id, e, other.node_id)
+                await _pause_if_same(prefill, other, retries)
+                prefill = other
         first_logprobs = [prefilled.first_logprobs] if prefilled.first_logprobs else []
         yield TokenChunk([prefilled.first_token], first_logprobs, prefilled.finish_reason,
                          num_cached_tokens=prefilled.num_cached_tokens)
         if prefilled.finish_reason is not None or prefilled.ticket is None:
             return
-        decode = self._pick_decode()
+        holder = prefill  # the prefill node holding prefilled.ticket
         finished = False
-        attempt = 0
         try:
             while True:
+                started = False
                 try:
-                    async for out in decode.generate(request_id, prompt_token_ids, params, prefilled, deadline):
-                        finished = out.finish_reason is not None
-                        yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id)
+                    with self.router.decoding(decode):
+                        async for out in self.directory.decode_client(decode).generate(
+                                request_id, prompt_token_ids, params, prefilled, deadline):
+                            started = True
+                            finished = out.finish_reason is not None
+                            yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id)
                     return
                 except NodeError as e:
-                    attempt += 1
-                    if not e.retryable or attempt > self.max_retries:
+                    if started or not e.retryable or retries == self.max_retries:
                         raise
-                    logger.warning("request %s: %s; prefilling again for a fresh ticket", request_id, e)
-                    await prefill.release(prefilled.ticket)
-                    prefill = self._pick_prefill()
-                    again = await prefill.prefill(f"{request_id}-retry{attempt}", prompt_token_ids, params,
-                                                  deadline)
+                    retries += 1
+                    # the ticket is spent or stale: give it back, prefill again for a fresh one
+                    await self.directory.prefill_client(holder).release(prefilled.ticket)
+                    if e.code == grpc.StatusCode.UNAVAILABLE:  # D itself is unreachable
+                        other_decode = self.router.another_decode({decode.address}) or decode
+                        await _pause_if_same(decode, other_decode, retries)
+                        decode = other_decode
+                    tried_prefill.add(prefill.address)
+                    prefill = self.router.another_prefill(route, decode, tried_prefill) or prefill
+                    logger.warning("request %s: %s; prefilling again on %s for %s", request_id, e,
+                                   prefill.node_id, decode.node_id)
+                    again = await self._prefill(prefill, f"{request_id}-retry{retries}", prompt_token_ids, params,
+                                                deadline)
                     if again.ticket is None:
                         raise
                     prefilled = Prefilled(prefilled.first_token, prefilled.first_logprobs, None,
                                           prefilled.num_cached_tokens, again.ticket)
+                    holder = prefill
         finally:
             if not finished:
                 # client gone, deadline or error: stop D's work and free P's pinned blocks
-                await asyncio.shield(_cleanup(decode, prefill, request_id, prefilled))
+                await asyncio.shield(_cleanup(self.directory.decode_client(decode),
+                                              self.directory.prefill_client(holder), request_id, prefilled))
+
+    async def _prefill(self, node: NodeState, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       deadline: float) -> Prefilled:
+        with self.router.prefilling(node, len(prompt_token_ids)):
+            return await self.directory.prefill_client(node).prefill(request_id, prompt_token_ids, params, deadline)
+
+
+async def _pause_if_same(failed: NodeState, chosen: NodeState, retries: int) -> None:
+    """Before retrying on the node that just failed (no other could take it): a restarting node needs a moment,
+    and its channel retries the connection within a second."""
+    if chosen.address == failed.address:
+        await asyncio.sleep(RETRY_PAUSE_S * retries)
 
 
 async def _cleanup(decode: DecodeClient, prefill: PrefillClient, request_id: str, prefilled: Prefilled) -> None:
     await decode.abort(request_id)
     if prefilled.ticket is not None:
         await prefill.release(prefilled.ticket)
+
+
+def add_routing_args(parser: argparse.ArgumentParser) -> None:
+    """The proxy's flags for where nodes are and how requests are routed to them."""
+    parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                        help="a prefill node (repeatable; combinable with --registry)")
+    parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT",
+                        help="a decode node (repeatable; combinable with --registry)")
+    parser.add_argument("--registry", default=None, metavar="redis://HOST:PORT",
+                        help="discover nodes (and their KV events) in this Redis")
+    parser.add_argument("--routing", default=RoutingPolicy.PREFIX_LOAD.value,
+                        choices=[p.value for p in RoutingPolicy],
+                        help="prefix_load: prefix hits and load, colocating short prompts on D; round_robin: nodes "
+                             "in turn, always disaggregated")
+    parser.add_argument("--block-size", type=int, default=16, help="the cluster's KV block size (as the nodes')")
+    parser.add_argument("--hash-seed", default="tandem", help="the cluster's prefix-hash seed (as the nodes')")
+    parser.add_argument("--colocate-max-tokens", type=int, default=RouterConfig.colocate_max_tokens,
+                        help="uncached prompt tokens an idle decode node prefills itself (0: always disaggregate)")
+    parser.add_argument("--max-retries", type=int, default=2,
+                        help="prefill/transfer failures retried per request, on other nodes")
+
+
+def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> PDPipeline:
+    if not args.registry and not args.decode:
+        parser.error("give --registry redis://HOST:PORT, or the nodes with --decode HOST:PORT (and --prefill)")
+    if args.block_size <= 0 or args.colocate_max_tokens < 0 or args.max_retries < 0:
+        parser.error("--block-size must be positive, --colocate-max-tokens and --max-retries not negative")
+    try:
+        directory = NodeDirectory(args.prefill, args.decode, args.registry, block_size=args.block_size,
+                                  hash_seed=args.hash_seed)
+    except ValueError as e:
+        parser.error(str(e))
+    config = RouterConfig(policy=RoutingPolicy(args.routing), block_size=args.block_size, hash_seed=args.hash_seed,
+                          colocate_max_tokens=args.colocate_max_tokens)
+    return PDPipeline(directory, Router(directory, config), max_retries=args.max_retries)

@@ -5,16 +5,31 @@ Invariants:
   takes the coldest block;
 - a free block may still hold a cached prefix (its hash is in `_cached`) until it is handed out again;
 - `_cached[h]` is a block whose hash is h; the block also keeps its token ids, so a hit is verified, not
-  trusted to the hash.
+  trusted to the hash;
+- when `events` is a list, every hash that becomes findable in `_cached` appends STORED and every hash that
+  stops being findable appends REMOVED, in order: replaying them gives the set of `_cached`'s keys (what a
+  node publishes for the proxy's prefix index).
 """
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.hashing import BlockHash
+
+
+class KVEventKind(enum.Enum):
+    STORED = "stored"  # the prefix `block_hash` can now be found in this pool
+    REMOVED = "removed"  # it no longer can (its block was handed out again or the cache was reset)
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    kind: KVEventKind
+    block_hash: BlockHash
 
 
 @dataclass
@@ -33,6 +48,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self.events: list[KVEvent] | None = None  # None: nobody listens, record nothing
 
     @property
     def num_free(self) -> int:
@@ -87,7 +103,12 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         # an equal block may already be cached (two sequences computed the same prefix at once): keep the first
-        self._cached.setdefault(block_hash, block_id)
+        if self._cached.setdefault(block_hash, block_id) == block_id and self.events is not None:
+            self.events.append(KVEvent(KVEventKind.STORED, block_hash))
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every prefix this pool can find now (a full snapshot, for listeners that lost events)."""
+        return list(self._cached)
 
     def is_evictable(self, block_id: int) -> bool:
         return self.blocks[block_id].ref_count == 0
@@ -101,5 +122,7 @@ class BlockPool:
             return
         if self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.append(KVEvent(KVEventKind.REMOVED, block.block_hash))
         block.block_hash = None
         block.token_ids = None

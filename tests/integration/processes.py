@@ -73,10 +73,15 @@ def start_node(role: str, model: Path, backend: str, log_dir: Path, extra: list[
     return process, f"127.0.0.1:{port}"
 
 
-def start_proxy(model: Path, prefill: str, decode: str, log_dir: Path) -> tuple[Process, str]:
+def start_proxy(model: Path, prefill: str | None, decode: str | None, log_dir: Path, extra: list[str] | None = None
+                ) -> tuple[Process, str]:
+    """A proxy in front of static nodes, or (prefill and decode None, `--registry` in extra) of registered ones;
+    returns once its /health answers 200."""
     port = free_port()
-    process = Process("proxy", ["--model", str(model), "--prefill", prefill, "--decode", decode,
-                                "--port", str(port), "--log-level", "warning", "--request-timeout", "60"], log_dir)
+    nodes = [*(["--prefill", prefill] if prefill else []), *(["--decode", decode] if decode else [])]
+    process = Process("proxy", ["--model", str(model), *nodes,
+                                "--port", str(port), "--log-level", "warning", "--request-timeout", "60",
+                                *(extra or [])], log_dir)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -89,3 +94,38 @@ def start_proxy(model: Path, prefill: str, decode: str, log_dir: Path) -> tuple[
             raise RuntimeError(f"proxy exited:\n{process.log()[-4000:]}")
         time.sleep(0.2)
     raise TimeoutError(f"proxy not healthy:\n{process.log()[-4000:]}")
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, without persistence, stopped by its pid."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"redis-{self.port}.log"
+        self.popen = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--dir", str(log_dir), "--logfile", str(self.log_path)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()

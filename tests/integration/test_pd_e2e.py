@@ -32,7 +32,9 @@ class Cluster:
         self.prefill, self.prefill_address = start_node("prefill", model, backend, log_dir,
                                                         ["--lease-seconds", str(lease_seconds)])
         self.decode, self.decode_address = start_node("decode", model, backend, log_dir, env=decode_env)
-        self.proxy, self.url = start_proxy(model, self.prefill_address, self.decode_address, log_dir)
+        # these tests are about the P/D handoff: the router must never run a (short) prompt on D alone
+        self.proxy, self.url = start_proxy(model, self.prefill_address, self.decode_address, log_dir,
+                                           ["--colocate-max-tokens", "0"])
 
     def restart_prefill(self) -> None:
         port = int(self.prefill_address.rsplit(":", 1)[1])

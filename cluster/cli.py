@@ -1,0 +1,136 @@
+"""`tandem`: serve a cluster, and look at or resize a running one.
+
+    tandem serve [--model PATH] [--prefill-nodes N] [--decode-nodes M] ... [--config FILE]
+    tandem status [--json]
+    tandem scale [--prefill N] [--decode M]
+
+`status` and `scale` talk to the admin API of the cluster `tandem serve` runs on this machine (its address and
+token are in the state file, see cluster/state.py); --admin-url and --token (or TANDEM_ADMIN_URL and
+TANDEM_ADMIN_TOKEN) reach another one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import httpx
+
+from cluster.config import ConfigError, add_serve_args, resolve
+from cluster.state import read_state, state_path
+
+
+class CLIError(Exception):
+    """Something the user can fix; printed without a traceback."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="run a cluster: proxy, prefill and decode pools on Ray",
+                                       description="Settings: CLI flag > YAML --config > TANDEM_* env > default.")
+    add_serve_args(serve_parser)
+    serve_parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
+    status_parser = commands.add_parser("status", help="pool sizes of the running cluster")
+    status_parser.add_argument("--json", action="store_true", help="print the admin API's JSON")
+    scale_parser = commands.add_parser("scale", help="resize the pools (removed nodes drain first)")
+    scale_parser.add_argument("--prefill", type=int, default=None, help="desired prefill nodes")
+    scale_parser.add_argument("--decode", type=int, default=None, help="desired decode nodes")
+    for sub in (status_parser, scale_parser):
+        sub.add_argument("--admin-url", default=os.environ.get("TANDEM_ADMIN_URL"),
+                         help="admin API of a remote cluster (default: the local one's, from its state file)")
+        sub.add_argument("--token", default=os.environ.get("TANDEM_ADMIN_TOKEN"), help="its admin token")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "status":
+            return _status(args)
+        return _scale(args)
+    except (CLIError, ConfigError) as e:
+        print(f"tandem {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.serve import ServeError, serve  # Ray and friends load only for this command
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
+    config = resolve(vars(args))
+    try:
+        serve(config)
+    except ServeError as e:
+        raise CLIError(str(e)) from None
+    except KeyboardInterrupt:
+        return 130  # stopped while starting; what had started is stopped again
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    body = _admin(args, "GET", "/status")
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    if body.get("proxy_url"):
+        print(f"proxy: {body['proxy_url']}  model: {body.get('model', '?')}")
+    print(f"{'pool':<8} {'desired':>7} {'ready':>5} {'starting':>8} {'draining':>8}")
+    for role, pool in body["pools"].items():
+        print(f"{role:<8} {pool['desired']:>7} {pool['ready']:>5} {pool.get('starting', 0):>8} "
+              f"{pool.get('draining', 0):>8}")
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    sizes = {role: size for role, size in (("prefill", args.prefill), ("decode", args.decode)) if size is not None}
+    if not sizes:
+        raise CLIError("give --prefill N and/or --decode M")
+    body = _admin(args, "POST", "/scale", sizes)
+    pools = body["pools"]
+    print(", ".join(f"{role}: {pools[role]['ready']} ready, {pools[role]['desired']} desired" for role in pools)
+          + "  (see `tandem status`)")
+    return 0
+
+
+def _admin(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    url, token = args.admin_url, args.token
+    if url is None:
+        state = read_state()
+        if state is None:
+            raise CLIError(f"no local cluster ({state_path()} does not exist): start one with `tandem serve`, "
+                           f"or pass --admin-url and --token")
+        if not _alive(state.pid):
+            raise CLIError(f"no local cluster: {state_path()} is left over from process {state.pid}, which is gone")
+        url, token = state.admin_url, token or state.token
+    if not token:
+        raise CLIError("--token (or TANDEM_ADMIN_TOKEN) is needed with --admin-url")
+    try:
+        r = httpx.request(method, url.rstrip("/") + path, json=body, timeout=10,
+                          headers={"Authorization": f"Bearer {token}"})
+    except httpx.HTTPError as e:
+        raise CLIError(f"cannot reach the admin API at {url}: {e} (is `tandem serve` still running?)") from None
+    if r.status_code >= 400:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text
+        raise CLIError(f"{r.status_code}: {message}")
+    return r.json()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

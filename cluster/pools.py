@@ -1,0 +1,314 @@
+"""The prefill and decode pools on Ray: each node is a placement group of TP bundles and an actor in it that owns
+the node's process (`python -m prefill_node` / `decode_node`).
+
+A node's life:
+1. STARTING: its placement group is created and must be placed within the startup timeout (Ray waits forever
+   for resources that never come, so every wait here has a timeout); the actor starts the process, which
+   registers itself in the registry and prints READY.
+2. READY: counted in the pool's `ready`. A process that exits on its own makes the node FAILED; the pool
+   replaces it.
+3. DRAINING (scale-down, shutdown): the actor sends SIGTERM; the node leaves the registry, finishes its
+   requests and exits (node_common/server.py); then the actor and the placement group go.
+
+`PoolManager.reconcile` moves each pool towards its desired size; it runs every half second in `tandem serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import enum
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+ROLES = ("prefill", "decode")
+_RAY_CALL_TIMEOUT_S = 30.0
+
+
+class NodeState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """What every node of the cluster runs with (the role and the id vary per node)."""
+
+    model: str
+    dtype: str
+    kv_backend: str
+    registry_url: str
+    tp: int = 1
+    cpus_per_node: float = 0.5
+    use_gpus: bool = False
+    bind_loopback: bool = True  # a single-machine cluster: nodes listen on 127.0.0.1 only
+    extra_args: tuple[str, ...] = ()
+    log_dir: str | None = None
+
+
+def placement_bundles(tp: int, use_gpus: bool, cpus_per_node: float) -> list[dict[str, float]]:
+    """One bundle per tensor-parallel rank: a GPU each on GPU machines, a share of the node's CPUs otherwise."""
+    if use_gpus:
+        return [{"GPU": 1.0} for _ in range(tp)]
+    return [{"CPU": cpus_per_node / tp} for _ in range(tp)]
+
+
+def node_command(launch: NodeLaunch, role: str, node_id: str, host: str, port: int) -> list[str]:
+    return [sys.executable, "-m", f"{role}_node", "--model", launch.model, "--dtype", launch.dtype,
+            "--kv-backend", launch.kv_backend, "--host", host, "--port", str(port), "--node-id", node_id,
+            "--registry", launch.registry_url, *launch.extra_args]
+
+
+class NodeProcess:
+    """Runs inside the node's Ray actor: starts the node's process and reports on it.
+
+    Every method returns at once (the driver polls), so the actor's single thread is never blocked. The process
+    dies with the actor (PR_SET_PDEATHSIG), even when Ray kills the actor outright.
+    """
+
+    def __init__(self, launch: NodeLaunch, role: str, node_id: str) -> None:
+        self.launch = launch
+        self.role = role
+        self.node_id = node_id
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+
+    def start(self) -> str:
+        """Starts the process; returns the address it will serve on."""
+        host = "127.0.0.1" if self.launch.bind_loopback else ray.util.get_node_ip_address()
+        port = free_port(host)
+        log_dir = Path(self.launch.log_dir) if self.launch.log_dir else Path.cwd()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{self.node_id}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
+        if self.launch.bind_loopback:
+            env["UCX_NET_DEVICES"] = "lo"
+        env.pop("TRITON_INTERPRET", None)  # a test harness's setting, not the nodes'
+        with self.log_path.open("wb") as log:
+            self.popen = subprocess.Popen(node_command(self.launch, self.role, self.node_id, host, port),
+                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=env, start_new_session=True, preexec_fn=die_with_parent)
+        return f"{host}:{port}"
+
+    def state(self) -> tuple[str, int | None]:
+        """("starting" | "ready" | "exited", exit code)."""
+        assert self.popen is not None, "start() first"
+        code = self.popen.poll()
+        if code is not None:
+            return "exited", code
+        return ("ready" if b"READY " in self._read_log() else "starting"), None
+
+    def terminate(self, force: bool = False) -> None:
+        """SIGTERM starts the node's drain; `force` sends a second one (stop without waiting)."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            if force:
+                time.sleep(0.05)  # two signals in one instant may be seen as one
+                self.popen.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+    def log_tail(self, num_bytes: int = 4000) -> str:
+        return self._read_log()[-num_bytes:].decode(errors="replace")
+
+    def _read_log(self) -> bytes:
+        return self.log_path.read_bytes() if self.log_path is not None and self.log_path.exists() else b""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the actor process dies (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+@dataclass(eq=False)
+class Node:
+    node_id: str
+    role: str
+    state: NodeState = NodeState.STARTING
+    address: str | None = None
+    placement: PlacementGroup | None = None
+    actor: Any = None  # the NodeProcess actor handle
+    error: str | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    task: asyncio.Task[None] | None = None  # what the manager is doing with it (start, drain)
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    desired: int
+    ready: int
+    starting: int
+    draining: int
+
+
+class PoolManager:
+    """The prefill and decode pools: desired sizes, the nodes, and the reconcile step that joins them."""
+
+    def __init__(self, launch: NodeLaunch, desired: dict[str, int], startup_timeout_s: float = 300.0,
+                 drain_timeout_s: float = 120.0) -> None:
+        assert set(desired) == set(ROLES), f"desired sizes for {ROLES}, got {sorted(desired)}"
+        self.launch = launch
+        self.desired = dict(desired)
+        self.startup_timeout_s = startup_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.nodes: list[Node] = []
+        self._ids = itertools.count()
+        self._actor_class = ray.remote(max_restarts=0)(NodeProcess)
+        self._last_health_check = 0.0
+
+    # ---- what the admin API sees ----
+    def scale(self, sizes: dict[str, int]) -> None:
+        for role, size in sizes.items():
+            if role not in ROLES or size < 0:
+                raise ValueError(f"pool sizes must be non-negative counts of {ROLES}, got {role}={size}")
+        self.desired.update(sizes)
+        logger.info("desired pool sizes: %s", self.desired)
+
+    def status(self) -> dict[str, PoolStatus]:
+        def count(role: str, state: NodeState) -> int:
+            return sum(1 for n in self.nodes if n.role == role and n.state is state)
+
+        return {role: PoolStatus(self.desired[role], count(role, NodeState.READY), count(role, NodeState.STARTING),
+                                 count(role, NodeState.DRAINING)) for role in ROLES}
+
+    def all_ready(self) -> bool:
+        return all(s.ready == s.desired and s.starting == 0 for s in self.status().values())
+
+    # ---- the control loop ----
+    async def reconcile(self) -> None:
+        """One step: start or drain nodes so each pool heads to its desired size; replace failed nodes."""
+        if time.monotonic() - self._last_health_check > 2.0:
+            self._last_health_check = time.monotonic()
+            await self._check_health()
+        for node in [n for n in self.nodes if n.state is NodeState.FAILED and n.task is None]:
+            node.task = asyncio.create_task(self._remove(node, drain=False))
+        for role in ROLES:
+            live = [n for n in self.nodes if n.role == role and n.state in (NodeState.STARTING, NodeState.READY)]
+            for _ in range(self.desired[role] - len(live)):
+                node = Node(f"{role}-{next(self._ids)}", role)
+                self.nodes.append(node)
+                node.task = asyncio.create_task(self._start(node))
+            # the newest go first: starting nodes (no traffic yet), then the most recently started
+            surplus = sorted(live, key=lambda n: (n.state is NodeState.READY, -n.started_at))
+            for node in surplus[:max(0, len(live) - self.desired[role])]:
+                if node.task is not None:
+                    node.task.cancel()  # a start in progress
+                node.state = NodeState.DRAINING
+                node.task = asyncio.create_task(self._remove(node, drain=True))
+
+    async def shutdown(self) -> None:
+        """Stops every node at once, without draining (the proxy is already gone)."""
+        for node in self.nodes:
+            if node.task is not None:
+                node.task.cancel()
+        await asyncio.gather(*(self._remove(n, drain=False) for n in list(self.nodes)), return_exceptions=True)
+
+    async def _start(self, node: Node) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        try:
+            bundles = placement_bundles(self.launch.tp, self.launch.use_gpus, self.launch.cpus_per_node)
+            node.placement = placement_group(bundles, strategy="STRICT_PACK", name=f"tandem-{node.node_id}")
+            await _ray_wait(node.placement.ready(), deadline - time.monotonic(),
+                            f"no room to place {node.node_id} ({bundles}): not enough free resources")
+            node.actor = self._actor_class.options(
+                num_cpus=bundles[0].get("CPU", 0.0), num_gpus=bundles[0].get("GPU", 0.0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(node.placement, placement_group_bundle_index=0),
+            ).remote(self.launch, node.role, node.node_id)
+            node.address = await _ray_wait(node.actor.start.remote(), deadline - time.monotonic(),
+                                           f"the actor of {node.node_id} did not start")
+            while True:
+                state, code = await _ray_wait(node.actor.state.remote(), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
+                if state == "ready":
+                    break
+                if state == "exited":
+                    tail = await _ray_wait(node.actor.log_tail.remote(), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
+                    raise RuntimeError(f"exited with code {code} while starting:\n{tail}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not serving after {self.startup_timeout_s:.0f} s")
+                await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure to start makes the node FAILED, to be replaced
+            logger.error("node %s failed to start: %s", node.node_id, e)
+            node.error = str(e)
+            node.state = NodeState.FAILED
+        else:
+            logger.info("node %s ready on %s", node.node_id, node.address)
+            node.state = NodeState.READY
+        finally:
+            if node.state is not NodeState.DRAINING:
+                node.task = None
+
+    async def _check_health(self) -> None:
+        for node in [n for n in self.nodes if n.state is NodeState.READY]:
+            try:
+                state, code = await _ray_wait(node.actor.state.remote(), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
+            except Exception as e:  # noqa: BLE001 - a dead actor is a failed node
+                state, code = "exited", None
+                node.error = str(e)
+            if state == "exited" and node.state is NodeState.READY:
+                logger.error("node %s exited (code %s); replacing it", node.node_id, code)
+                node.state = NodeState.FAILED
+
+    async def _remove(self, node: Node, drain: bool) -> None:
+        """Drains (or stops at once) the node's process, then frees its actor and placement group."""
+        try:
+            if node.actor is not None:
+                await _ray_wait(node.actor.terminate.remote(not drain), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
+                deadline = time.monotonic() + (self.drain_timeout_s + 15.0 if drain else 10.0)
+                while time.monotonic() < deadline:
+                    state, _ = await _ray_wait(node.actor.state.remote(), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
+                    if state == "exited":
+                        break
+                    await asyncio.sleep(0.2)
+                else:
+                    logger.warning("node %s did not exit in time: killing it", node.node_id)
+                    await _ray_wait(node.actor.kill.remote(), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
+                logger.info("node %s %s", node.node_id, "drained and stopped" if drain else "stopped")
+        except Exception as e:  # noqa: BLE001 - whatever happened, the actor and placement group still go
+            logger.warning("stopping node %s: %s", node.node_id, e)
+        finally:
+            if node.actor is not None:
+                ray.kill(node.actor)
+            if node.placement is not None:
+                remove_placement_group(node.placement)
+            if node in self.nodes:
+                self.nodes.remove(node)
+
+
+async def _ray_wait(ref: Awaitable[T], timeout: float, what: str) -> T:
+    try:
+        return await asyncio.wait_for(ref, timeout=max(timeout, 0.1))
+    except TimeoutError:
+        raise TimeoutError(what) from None

@@ -1,0 +1,267 @@
+"""`tandem serve`: a whole cluster from one command.
+
+What it starts, in order (and stops in reverse):
+1. the model: --model, or the demo model, built on first use;
+2. the registry: a redis-server of its own on a free loopback port, unless --registry names one; nodes register
+   there and the proxy discovers them, so nodes can come and go (scale, drain) while the proxy runs;
+3. Ray: a local instance (`ray.init(address="local")`) or the cluster at --ray-address;
+4. the pools: one placement group + actor + node process per node (cluster/pools.py), until all are ready;
+5. the proxy (`python -m proxy`), in front, on --host:--port;
+6. the admin API (cluster/admin.py) on 127.0.0.1, and the state file that tells the CLI where it is and its
+   token.
+Then the control loop keeps each pool at its desired size until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+import uvicorn
+
+from cluster.admin import AdminServer, bind_admin_socket, create_admin_app, new_token
+from cluster.config import ServeConfig
+from cluster.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+from cluster.pools import NodeLaunch, NodeState, PoolManager, die_with_parent, free_port
+from cluster.progress import Progress
+from cluster.state import ClusterState, cache_dir, remove_state, write_state
+
+logger = logging.getLogger(__name__)
+
+RECONCILE_INTERVAL_S = 0.5
+
+
+class ServeError(Exception):
+    """A cluster that cannot start; the message says why and what to do."""
+
+
+@dataclass
+class Child:
+    """A process `tandem serve` owns directly (redis-server, the proxy); it dies with `tandem serve`."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @classmethod
+    def start(cls, name: str, command: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
+        with log_path.open("wb") as log:
+            popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True, preexec_fn=die_with_parent)
+        return cls(name, popen, log_path)
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:] if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+
+
+def serve(config: ServeConfig) -> None:
+    """Runs the cluster until SIGINT/SIGTERM. Raises ServeError when it cannot start."""
+    if config.tp != 1:
+        raise ServeError("--tp above 1 needs tensor parallelism in the engine, which it does not have yet: "
+                         "use --tp 1")
+    if config.ray_address != "local" and config.registry is None:
+        raise ServeError("a Ray cluster of several machines needs a registry every machine can reach: "
+                         "pass --registry redis://HOST:PORT")
+    _check_port_free(config.host, config.port)
+    # until the control loop handles it: SIGTERM unwinds like Ctrl-C, through the cleanup below
+    signal.signal(signal.SIGTERM, _interrupt)
+    model = Path(config.model).expanduser() if config.model else ensure_demo_model()
+    if not (model / "config.json").is_file():
+        raise ServeError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+    served_model_name = config.served_model_name or (model.name if config.model else DEMO_MODEL_NAME)
+    log_dir = cache_dir() / "logs" / time.strftime(f"serve-%Y%m%d-%H%M%S-{os.getpid()}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"logs: {log_dir}", file=sys.stderr, flush=True)
+
+    children: list[Child] = []
+    try:
+        registry_url = config.registry or _start_redis(log_dir, children)
+        local = config.ray_address == "local"
+        try:
+            if local:  # "local" always starts a fresh instance (ENV-NOTES: a stale cluster address hangs)
+                ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                         _node_ip_address="127.0.0.1", namespace="tandem", log_to_driver=False)
+            else:
+                ray.init(address=config.ray_address, namespace="tandem", log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ServeError(f"cannot start or join Ray at {config.ray_address!r}: {e}") from None
+        launch = NodeLaunch(model=str(model.resolve()), dtype=config.dtype, kv_backend=config.kv_backend,
+                            registry_url=registry_url, tp=config.tp, cpus_per_node=config.node_cpus,
+                            use_gpus=ray.cluster_resources().get("GPU", 0) > 0, bind_loopback=local,
+                            extra_args=tuple(shlex.split(config.node_args)), log_dir=str(log_dir))
+        pools = PoolManager(launch, {"prefill": config.prefill_nodes, "decode": config.decode_nodes},
+                            startup_timeout_s=config.startup_timeout, drain_timeout_s=config.drain_timeout)
+        asyncio.run(_run(config, pools, model, served_model_name, registry_url, log_dir, children))
+    finally:
+        for child in reversed(children):
+            child.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}): is another `tandem serve` running? "
+                             f"Pick another with --port") from None
+
+
+def _start_redis(log_dir: Path, children: list[Child]) -> str:
+    port = free_port("127.0.0.1")
+    command = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
+    try:
+        redis = Child.start("redis-server", command, log_dir / "redis.log")
+    except FileNotFoundError:
+        raise ServeError("redis-server is not installed (the node registry): run `make setup`, or "
+                         "`apt-get install redis-server`, or pass --registry redis://HOST:PORT") from None
+    children.append(redis)
+    deadline = time.monotonic() + 10
+    while "Ready to accept connections" not in redis.log_tail():
+        if redis.popen.poll() is not None or time.monotonic() > deadline:
+            raise ServeError(f"redis-server did not start:\n{redis.log_tail()}")
+        time.sleep(0.05)
+    return f"redis://127.0.0.1:{port}/0"
+
+
+async def _run(config: ServeConfig, pools: PoolManager, model: Path, served_model_name: str, registry_url: str,
+               log_dir: Path, children: list[Child]) -> None:
+    stop = asyncio.Event()
+    wake = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    admin_socket = bind_admin_socket(config.admin_port)
+    admin_url = f"http://127.0.0.1:{admin_socket.getsockname()[1]}"
+    proxy_url = f"http://{config.host}:{config.port}"
+    token = new_token()
+    app = create_admin_app(pools, token, on_scale=wake.set,
+                           extra_status={"proxy_url": proxy_url, "model": served_model_name})
+    admin = AdminServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))
+    try:
+        # the proxy loads its tokenizer while the nodes load the model; it finds them in the registry
+        proxy = _start_proxy(config, model, served_model_name, registry_url, log_dir, children)
+        if not await _start_pools(pools, stop):
+            return
+        if min(pools.desired.values()) == 0:
+            logger.warning("a pool has no nodes: the proxy answers 503 until both have one (tandem scale)")
+        elif not await _wait_until_healthy(proxy, config, stop):
+            return
+        write_state(ClusterState(admin_url=admin_url, token=token, proxy_url=proxy_url, pid=os.getpid()))
+        print(f"\nTandem is serving {served_model_name!r} at {proxy_url}/v1 "
+              f"({config.prefill_nodes} prefill + {config.decode_nodes} decode nodes)\n"
+              f"  tandem status    pool sizes;  tandem scale --decode 2    resize a pool;  Ctrl-C stops\n",
+              file=sys.stderr, flush=True)
+        while not stop.is_set():
+            await pools.reconcile()
+            if proxy.popen.poll() is not None:
+                raise ServeError(f"the proxy exited with code {proxy.popen.returncode}:\n{proxy.log_tail()}")
+            wake.clear()
+            await _first(stop.wait(), wake.wait(), timeout=RECONCILE_INTERVAL_S)
+    finally:
+        remove_state(os.getpid())
+        print("stopping the cluster", file=sys.stderr, flush=True)
+        for child in [c for c in children if c.name == "proxy"]:
+            child.stop()  # no new requests from here on
+        await pools.shutdown()
+        admin.should_exit = True
+        await asyncio.wait({admin_task}, timeout=5)
+
+
+async def _start_pools(pools: PoolManager, stop: asyncio.Event) -> bool:
+    """Starts the nodes with a progress bar; False if stopped first. A node that fails to start ends it."""
+    total = sum(pools.desired.values())
+    with Progress(f"loading the model on {total} nodes", total=total) as progress:
+        while not pools.all_ready():
+            await pools.reconcile()
+            failed = [n for n in pools.nodes if n.state is NodeState.FAILED]
+            if failed:
+                raise ServeError(f"node {failed[0].node_id} failed to start: {failed[0].error}")
+            progress.set(sum(s.ready for s in pools.status().values()))
+            if await _first(stop.wait(), timeout=RECONCILE_INTERVAL_S):
+                return False
+        progress.set(total)
+    return True
+
+
+def _start_proxy(config: ServeConfig, model: Path, served_model_name: str, registry_url: str, log_dir: Path,
+                 children: list[Child]) -> Child:
+    command = [sys.executable, "-m", "proxy", "--registry", registry_url, "--model", str(model),
+               "--served-model-name", served_model_name, "--host", config.host, "--port", str(config.port),
+               "--log-level", "warning", *proxy_hashing_args(config.node_args), *shlex.split(config.proxy_args)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("TANDEM_API_KEY", None)
+    if config.api_key:
+        env["TANDEM_API_KEY"] = config.api_key  # in the environment, not on a command line others can read
+    proxy = Child.start("proxy", command, log_dir / "proxy.log", env)
+    children.append(proxy)
+    return proxy
+
+
+async def _wait_until_healthy(proxy: Child, config: ServeConfig, stop: asyncio.Event) -> bool:
+    """True once the proxy's /health says it reaches both pools; False if stopped first."""
+    url = f"http://{config.host}:{config.port}/health"
+    deadline = time.monotonic() + 120
+    async with httpx.AsyncClient() as client:
+        while True:
+            try:
+                if (await client.get(url, timeout=2)).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            if proxy.popen.poll() is not None:
+                raise ServeError(f"the proxy exited with code {proxy.popen.returncode}:\n{proxy.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ServeError(f"the proxy is not healthy after 120 s:\n{proxy.log_tail()}")
+            if await _first(stop.wait(), timeout=0.2):
+                return False
+
+
+def proxy_hashing_args(node_args: str) -> list[str]:
+    """The nodes' block size and prefix-hash seed, for the proxy: its prefix index must hash as they do."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--block-size")
+    parser.add_argument("--hash-seed")
+    known, _ = parser.parse_known_args(shlex.split(node_args))
+    return [*(["--block-size", known.block_size] if known.block_size else []),
+            *(["--hash-seed", known.hash_seed] if known.hash_seed else [])]
+
+
+async def _first(*waits: Coroutine[Any, Any, Any], timeout: float) -> bool:
+    """Waits for the first of some event waits, at most `timeout`; True if one finished."""
+    tasks = {asyncio.ensure_future(w) for w in waits}
+    done, pending = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    return bool(done)
+

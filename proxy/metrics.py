@@ -1,0 +1,249 @@
+"""Prometheus metrics of the proxy and, polled on each scrape, of the nodes behind it (DESIGN §5).
+
+Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
+
+- per request, measured at the proxy: time_to_first_token_seconds, inter_token_latency_seconds,
+  e2e_request_latency_seconds, request_success_total{finished_reason}, prompt_tokens_total,
+  generation_tokens_total, num_requests_running (sub-requests in flight here), request_errors_total{code};
+- routing: pd_decisions_total{mode}, read from the router's decision counts;
+- per node (`node_id`, `role` labels), from the nodes' Stats on each scrape: kv_cache_usage_perc,
+  num_requests_waiting, node_num_requests_running, prefix_cache_queries_total / _hits_total (tokens),
+  prefill_leases_expired_total, kv_transfer_failures_total, and node_up (0 when Stats failed).
+
+Each app gets a private CollectorRegistry, so several apps (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+logger = logging.getLogger(__name__)
+
+NODE_POLL_TIMEOUT_S = 1.0
+
+# vLLM's buckets: TTFT from 1 ms to minutes, ITL from 10 ms (GPU decode) to seconds (CPU, queues).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+# The *_created series double every counter's output for no use here (vLLM turns them off too).
+prometheus_client.disable_created_metrics()
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """What is known of a node's state; None: not known (the node was not asked, or does not say)."""
+
+    free_kv_blocks: int | None = None
+    total_kv_blocks: int | None = None
+    num_running: int | None = None
+    num_waiting: int | None = None
+    num_leases_expired: int | None = None
+    num_transfer_failures: int | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    node_id: str
+    role: str  # "prefill" | "decode"
+    up: bool  # answered and ready
+    stats: NodeStats = NodeStats()
+
+
+class RequestRecorder:
+    """The metrics of one sub-request (one choice), from its arrival at the proxy to its end."""
+
+    def __init__(self, metrics: ProxyMetrics, arrival: float, num_prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.arrival = arrival  # time.monotonic() when the HTTP request arrived
+        self.last_token_time: float | None = None
+        self.done = False
+        metrics.running.inc()
+        metrics.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_tokens(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        if num_tokens == 0:
+            return
+        if self.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+            num_gaps = num_tokens - 1
+        else:
+            num_gaps = num_tokens
+        if num_gaps:
+            gap = (now - (self.last_token_time or now)) / num_gaps
+            for _ in range(num_gaps):
+                self.metrics.inter_token_latency.observe(gap)
+        self.last_token_time = now
+        self.metrics.generation_tokens.inc(num_tokens)
+
+    def finish(self, finished_reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
+        self.metrics.request_success.labels(self.metrics.model_name, finished_reason).inc()
+
+    def fail(self, code: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.request_errors.labels(self.metrics.model_name, code).inc()
+
+    def close(self) -> None:
+        """Ends the sub-request; one that neither finished nor failed was aborted (client gone)."""
+        self.finish("abort")
+        self.metrics.running.dec()
+
+
+class ProxyMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "tandem:time_to_first_token_seconds", "Time from the request's arrival to its first token.", labels,
+            registry=r, buckets=TTFT_BUCKETS).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "tandem:inter_token_latency_seconds", "Time between consecutive tokens of a request.", labels,
+            registry=r, buckets=ITL_BUCKETS).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "tandem:e2e_request_latency_seconds", "Time from the request's arrival to its end.", labels,
+            registry=r, buckets=E2E_BUCKETS).labels(model_name)
+        self.request_success = Counter(
+            "tandem:request_success", "Requests (choices) that ended, by finish reason.",
+            [*labels, "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+        self.request_errors = Counter(
+            "tandem:request_errors", "Requests (choices) that failed, by OpenAI error code.", [*labels, "code"],
+            registry=r)
+        self.prompt_tokens = Counter("tandem:prompt_tokens", "Prompt tokens sent to prefill.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("tandem:generation_tokens", "Tokens generated.", labels,
+                                         registry=r).labels(model_name)
+        self.running = Gauge("tandem:num_requests_running", "Requests (choices) in flight at the proxy.", labels,
+                             registry=r).labels(model_name)
+        self.cluster = ClusterCollector(model_name)
+        r.register(self.cluster)
+
+    def request(self, arrival: float, num_prompt_tokens: int) -> RequestRecorder:
+        return RequestRecorder(self, arrival, num_prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ClusterCollector:
+    """The nodes' metrics from the latest snapshot, and the router's decision counts read at collect time."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.nodes: list[NodeSnapshot] = []
+        self.decision_counts: Callable[[], Mapping[str, int] | None] = lambda: None
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.model_name
+        decisions = CounterMetricFamily("tandem:pd_decisions", "Routing decisions, by mode "
+                                        "(disaggregated: prefill on P; colocated: prefill on D).",
+                                        labels=["model_name", "mode"])
+        for mode, count in sorted((self.decision_counts() or {}).items()):
+            decisions.add_metric([m, str(mode)], count)
+        yield decisions
+
+        labels = ["model_name", "node_id", "role"]
+        up = GaugeMetricFamily("tandem:node_up", "1 when the node answered the last Stats poll.", labels=labels)
+        usage = GaugeMetricFamily("tandem:kv_cache_usage_perc", "Fraction of the node's KV blocks in use.",
+                                  labels=labels)
+        waiting = GaugeMetricFamily("tandem:num_requests_waiting", "Requests queued on the node.", labels=labels)
+        running = GaugeMetricFamily("tandem:node_num_requests_running", "Requests running on the node.",
+                                    labels=labels)
+        queries = CounterMetricFamily("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=labels)
+        hits = CounterMetricFamily("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=labels)
+        expired = CounterMetricFamily("tandem:prefill_leases_expired", "KV tickets freed because their lease "
+                                      "expired before a decode node released them.", labels=labels)
+        failures = CounterMetricFamily("tandem:kv_transfer_failures", "KV transfers that failed or were corrupt.",
+                                       labels=labels)
+        for node in self.nodes:
+            values = [m, node.node_id, node.role]
+            up.add_metric(values, 1 if node.up else 0)
+            s = node.stats
+            if s.free_kv_blocks is not None and s.total_kv_blocks:
+                usage.add_metric(values, 1 - s.free_kv_blocks / s.total_kv_blocks)
+            for family, value in ((waiting, s.num_waiting), (running, s.num_running),
+                                  (queries, s.prefix_cache_queries), (hits, s.prefix_cache_hits),
+                                  (expired, s.num_leases_expired if node.role == "prefill" else None),
+                                  (failures, s.num_transfer_failures if node.role == "decode" else None)):
+                if value is not None:
+                    family.add_metric(values, value)
+        yield from (up, usage, waiting, running, queries, hits, expired, failures)
+
+
+# ---- what the nodes say ----
+
+def _stats_of(load: Any, capacity: Any = None, counters: Any = None) -> NodeStats:
+    """NodeStats from whatever objects carry the fields (a routing table's load and capacity, a Stats reply)."""
+
+    def field(name: str) -> int | None:
+        for source in (counters, load, capacity):
+            value = getattr(source, name, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+    total = field("total_kv_blocks")
+    return NodeStats(free_kv_blocks=field("free_kv_blocks"), total_kv_blocks=total or None,
+                     num_running=field("num_running"), num_waiting=field("num_waiting"),
+                     num_leases_expired=field("num_leases_expired"),
+                     num_transfer_failures=field("num_transfer_failures"),
+                     prefix_cache_queries=field("prefix_cache_queries"), prefix_cache_hits=field("prefix_cache_hits"))
+
+
+async def _ask(call: Any) -> Any:
+    """A node RPC with a short timeout; None when it fails (a node down is a fact to report, not an error)."""
+    try:
+        return await asyncio.wait_for(call(timeout=NODE_POLL_TIMEOUT_S), NODE_POLL_TIMEOUT_S * 2)
+    except Exception as e:
+        logger.debug("a node did not answer: %r", e)
+        return None
+
+
+async def poll_nodes(pipeline: Any, with_stats: bool = True) -> list[NodeSnapshot]:
+    """Every node behind the pipeline: from its routing table when it has one (NodeDirectory), else from its
+    static client lists by asking each node's Health. With `with_stats`, also each node's counters where
+    its client can fetch them (`stats()`)."""
+    directory = getattr(pipeline, "directory", None)
+    if directory is not None and hasattr(directory, "all_nodes"):
+        targets = [(n.role.value, n.node_id, directory.client(n), n) for n in directory.all_nodes()]
+    else:
+        targets = ([("prefill", c.address, c, None) for c in getattr(pipeline, "prefill_nodes", [])]
+                   + [("decode", c.address, c, None) for c in getattr(pipeline, "decode_nodes", [])])
+
+    async def poll(role: str, node_id: str, client: Any, known: Any) -> NodeSnapshot:
+        stats_call = getattr(client, "stats", None)
+        counters = await _ask(stats_call) if with_stats and stats_call is not None else None
+        if known is not None:
+            up = bool(getattr(known, "healthy", True)) and not getattr(known, "draining", False)
+            return NodeSnapshot(node_id, role, up, _stats_of(known.load, known.capacity, counters))
+        health = await _ask(client.health)
+        up = bool(getattr(health, "ready", False))
+        return NodeSnapshot(getattr(health, "node_id", "") or node_id, role, up, _stats_of(counters))
+
+    return list(await asyncio.gather(*(poll(*target) for target in targets)))

@@ -1,0 +1,332 @@
+"""The proxy's live table of nodes, and the prefix index their KV events feed.
+
+Two sources, combinable:
+- static addresses (`--prefill/--decode HOST:PORT`, single-machine use): polled every `static_poll_s` with
+  Health + Stats. A node is healthy after a good poll and unhealthy after `STATIC_FAILURES_TO_LEAVE` failed
+  ones in a row; when every listed node of a role is unhealthy they are all offered anyway (the operator
+  named them: trying one that just restarted beats refusing the request).
+- the registry (`--registry redis://...`): every `poll_s` the node keys written by node_common/registry.py
+  are scanned. A key that is gone (its TTL ran out, or the node deregistered) is a node gone, from routing
+  and from the prefix index. A node both listed and registered is one node, described by its registration.
+
+KV events: one task reads the cluster's stream from where it left off and applies each node's delta to the
+index. A node first seen, restarted (seq 0) or with a gap in its seq gets its set reloaded; a lock keeps a
+delta from being applied while a reload awaits Redis (the snapshot would overwrite it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from node_common.registry import (
+    KV_EVENTS_STREAM,
+    NODE_KEY_PATTERN,
+    KVDelta,
+    NodeCapacity,
+    NodeLoad,
+    NodeRecord,
+    Role,
+    hash_fingerprint,
+    kv_set_key,
+)
+from proxy.clients import DecodeClient, NodeClient, PrefillClient
+from proxy.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+STATIC_FAILURES_TO_LEAVE = 2
+_UNKNOWN_CAPACITY = NodeCapacity(total_kv_blocks=0, max_num_seqs=0, max_num_batched_tokens=0, block_size=0)
+_UNKNOWN_LOAD = NodeLoad(free_kv_blocks=0, num_running=0, num_waiting=0, num_queued_prefill_tokens=0)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What routing knows about one node. Capacity numbers of 0 mean unknown (a static node not yet polled)."""
+
+    address: str
+    role: Role
+    node_id: str
+    layout_hash: str = ""
+    capacity: NodeCapacity = _UNKNOWN_CAPACITY
+    load: NodeLoad = _UNKNOWN_LOAD
+    draining: bool = False
+    prefix_aware: bool = False  # its KV events reach the index, hashed with our block size and seed
+    registered: bool = False  # described by the registry (else a static address)
+    healthy: bool = True
+
+
+class NodeDirectory:
+    def __init__(self, static_prefill: Sequence[str] = (), static_decode: Sequence[str] = (),
+                 registry_url: str | None = None, block_size: int = 16, hash_seed: str = "tandem",
+                 poll_s: float = 0.5, static_poll_s: float = 1.0) -> None:
+        both = set(static_prefill) & set(static_decode)
+        if both:
+            raise ValueError(f"{sorted(both)} listed as both prefill and decode nodes")
+        self.index = PrefixIndex()
+        self.block_size = block_size
+        self.fingerprint = hash_fingerprint(hash_seed)
+        self.poll_s = poll_s
+        self.static_poll_s = static_poll_s
+        self._static: dict[str, NodeState] = {
+            address: NodeState(address, role, node_id=address, healthy=False)
+            for role, addresses in ((Role.PREFILL, static_prefill), (Role.DECODE, static_decode))
+            for address in addresses}
+        self._static_failures: dict[str, int] = {}
+        self._registered: dict[str, NodeState] = {}  # by node id
+        self._incarnations: dict[str, int] = {}
+        self._kv_seq: dict[str, int | None] = {}  # last delta applied per node; None: unknown since a reload
+        self._kv_lock = asyncio.Lock()
+        self._warned: set[str] = set()
+        self._clients: dict[str, NodeClient] = {}
+        self._redis = (aioredis.Redis.from_url(registry_url, decode_responses=True, socket_timeout=5.0,
+                                               socket_connect_timeout=2.0) if registry_url else None)
+        self._stream_id = "0-0"
+        self._start: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False  # the loops check it too: redis-py can swallow a cancellation in a blocking read
+
+    # ---- what routing reads ----
+    def nodes(self, role: Role) -> list[NodeState]:
+        """The nodes of a role that may take new requests, by address."""
+        self._start_soon()
+        registered = {n.address: n for n in self._registered.values() if n.role is role}
+        static = [n for a, n in self._static.items() if n.role is role and a not in registered]
+        healthy = [n for n in static if n.healthy]
+        candidates = [*registered.values(), *(healthy if healthy or registered else static)]
+        return sorted((n for n in candidates if not n.draining), key=lambda n: n.address)
+
+    def all_nodes(self) -> list[NodeState]:
+        """Every node known, healthy or not, draining or not."""
+        self._start_soon()
+        registered = {n.address: n for n in self._registered.values()}
+        return sorted([*registered.values(), *(n for a, n in self._static.items() if a not in registered)],
+                      key=lambda n: n.address)
+
+    def client(self, node: NodeState) -> NodeClient:
+        client = self._clients.get(node.address)
+        if client is None:
+            client = PrefillClient(node.address) if node.role is Role.PREFILL else DecodeClient(node.address)
+            self._clients[node.address] = client
+        return client
+
+    def prefill_client(self, node: NodeState) -> PrefillClient:
+        client = self.client(node)
+        assert isinstance(client, PrefillClient), f"{node.address} is not a prefill node"
+        return client
+
+    def decode_client(self, node: NodeState) -> DecodeClient:
+        client = self.client(node)
+        assert isinstance(client, DecodeClient), f"{node.address} is not a decode node"
+        return client
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        """Loads the table once and starts the watchers. Idempotent; call it in the loop that will route."""
+        if self._start is None:
+            self._start = asyncio.create_task(self._start_once())
+        await asyncio.shield(self._start)
+
+    def _start_soon(self) -> None:
+        """Starts watching on first use from inside an event loop, so that a caller who never awaited start()
+        (a health check polled before any request) still sees the table fill."""
+        if self._start is None:
+            with contextlib.suppress(RuntimeError):  # no running loop: start() will do it
+                self._start = asyncio.get_running_loop().create_task(self._start_once())
+
+    async def _start_once(self) -> None:
+        if self._redis is not None:
+            try:
+                self._stream_id = await self._stream_tail()  # before the sets are loaded: see the module doc
+                await self.refresh_registry()
+            except (RedisError, OSError) as e:
+                logger.warning("registry unreachable at start, retrying in the background: %r", e)
+            self._tasks += [asyncio.create_task(self._registry_loop(), name="registry-poll"),
+                            asyncio.create_task(self._kv_events_loop(), name="registry-kv-events")]
+        if self._static:
+            await self.poll_static()
+            self._tasks.append(asyncio.create_task(self._static_loop(), name="static-poll"))
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        if self._redis is not None:
+            await self._redis.aclose()  # also ends a blocking read at once
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=3.0)
+        for client in self._clients.values():
+            await client.close()
+
+    # ---- the registry ----
+    async def _registry_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.refresh_registry()
+            except (RedisError, OSError) as e:
+                # keep the last table: its nodes may well be alive, and a dead one fails over on use
+                self._warn_once("registry-poll", f"registry unreachable, routing with the last table: {e!r}")
+            else:
+                self._warned.discard("registry-poll")
+
+    async def refresh_registry(self) -> None:
+        """One scan of the registered nodes: who joined, who left, their current load."""
+        assert self._redis is not None, "no registry configured"
+        keys = [key async for key in self._redis.scan_iter(match=NODE_KEY_PATTERN, count=1000)]
+        values = await self._redis.mget(keys) if keys else []
+        records: dict[str, NodeRecord] = {}
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                continue  # expired between the scan and the read
+            try:
+                record = NodeRecord.from_json(value)
+            except ValueError as e:
+                self._warn_once(key, f"ignoring registry key {key}: {e}")
+                continue
+            records[record.node_id] = record
+        for node_id in self._registered.keys() - records.keys():
+            logger.info("node %s left the registry", node_id)
+            del self._registered[node_id]
+            self._incarnations.pop(node_id, None)
+            self._kv_seq.pop(node_id, None)
+            self.index.drop_node(node_id)
+        joined = []
+        for node_id, record in records.items():
+            self._registered[node_id] = self._state_of(record)
+            if self._incarnations.get(node_id) != record.incarnation:
+                self._incarnations[node_id] = record.incarnation
+                joined.append(node_id)
+                logger.info("node %s (%s at %s) joined from the registry", node_id, record.role.value,
+                            record.address)
+        if joined:
+            await self._rewind_if_stream_reset()
+            for node_id in joined:
+                await self._reload_kv(node_id)
+
+    def _state_of(self, record: NodeRecord) -> NodeState:
+        prefix_aware = (record.capacity.block_size == self.block_size
+                        and record.hash_fingerprint == self.fingerprint)
+        if not prefix_aware:
+            self._warn_once(f"hashing:{record.node_id}",
+                            f"node {record.node_id} hashes prefixes with block size {record.capacity.block_size} "
+                            f"and another seed or size than this proxy (--block-size {self.block_size}, "
+                            f"--hash-seed): routing it by load only")
+        return NodeState(record.address, record.role, record.node_id, record.layout_hash, record.capacity,
+                         record.load, record.draining, prefix_aware, registered=True)
+
+    # ---- KV events ----
+    async def _stream_tail(self) -> str:
+        assert self._redis is not None
+        last = await self._redis.xrevrange(KV_EVENTS_STREAM, count=1)
+        return str(last[0][0]) if last else "0-0"
+
+    async def _rewind_if_stream_reset(self) -> None:
+        """Redis restarted empty (stream ids start over): read the new stream from its beginning."""
+        tail = await self._stream_tail()
+        if _stream_id_key(tail) < _stream_id_key(self._stream_id):
+            logger.warning("the KV event stream restarted; reading it from the beginning")
+            self._stream_id = "0-0"
+
+    async def _kv_events_loop(self) -> None:
+        assert self._redis is not None
+        while not self._closing:
+            try:
+                # decode_responses=True: [[stream, [(entry id, {field: value})]]]
+                response: Any = await self._redis.xread({KV_EVENTS_STREAM: self._stream_id}, count=1000,
+                                                        block=1000)
+            except (RedisError, OSError) as e:
+                if self._closing:
+                    return
+                self._warn_once("kv-events", f"cannot read KV events: {e!r}")
+                await asyncio.sleep(self.poll_s)
+                continue
+            self._warned.discard("kv-events")
+            for _stream, entries in response or ():
+                for entry_id, fields in entries:
+                    self._stream_id = entry_id
+                    try:
+                        delta = KVDelta.from_fields(fields)
+                        await self._apply(delta)
+                    except ValueError as e:
+                        self._warn_once(f"entry:{entry_id}", f"ignoring KV event {entry_id}: {e}")
+
+    async def _apply(self, delta: KVDelta) -> None:
+        state = self._registered.get(delta.node_id)
+        if state is None or not state.prefix_aware:
+            return  # not seen in the registry yet: its whole set is loaded when it is
+        expected = self._kv_seq.get(delta.node_id)
+        if delta.seq == 0 or (expected is not None and delta.seq != expected + 1):
+            await self._reload_kv(delta.node_id)  # the set reflects this entry already
+            self._kv_seq[delta.node_id] = delta.seq
+            return
+        stored, removed = _from_hex(delta.stored), _from_hex(delta.removed)
+        async with self._kv_lock:
+            self.index.store(delta.node_id, stored)
+            self.index.remove(delta.node_id, removed)
+            self._kv_seq[delta.node_id] = delta.seq
+
+    async def _reload_kv(self, node_id: str) -> None:
+        assert self._redis is not None
+        async with self._kv_lock:
+            state = self._registered.get(node_id)
+            if state is None or not state.prefix_aware:
+                return
+            members: Any = await self._redis.smembers(kv_set_key(node_id))
+            if node_id in self._registered:  # it may have left while we waited
+                self.index.replace(node_id, _from_hex(members))
+                self._kv_seq[node_id] = None
+
+    # ---- static nodes ----
+    async def _static_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.static_poll_s)
+            await self.poll_static()
+
+    async def poll_static(self) -> None:
+        await asyncio.gather(*(self._poll_static_node(node) for node in list(self._static.values())))
+
+    async def _poll_static_node(self, node: NodeState) -> None:
+        try:
+            status = await self.client(node).status(timeout=2.0)
+            if not status.ready:
+                raise ConnectionError("the node reports it is not ready")
+        except (grpc.aio.AioRpcError, ConnectionError) as e:
+            failures = self._static_failures.get(node.address, 0) + 1
+            self._static_failures[node.address] = failures
+            if node.healthy and failures >= STATIC_FAILURES_TO_LEAVE:
+                logger.warning("%s node %s is unhealthy: %s", node.role.value, node.address,
+                               e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+                self._static[node.address] = dataclasses.replace(node, healthy=False)
+            return
+        self._static_failures[node.address] = 0
+        if not node.healthy:
+            logger.info("%s node %s (%s) is healthy", node.role.value, node.address, status.node_id)
+        self._static[node.address] = NodeState(node.address, node.role, status.node_id, status.layout_hash,
+                                               status.capacity, status.load)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s", message)
+
+
+def _from_hex(hashes: Iterable[str]) -> list[bytes]:
+    """Raises ValueError on a malformed hash."""
+    return [bytes.fromhex(h) for h in hashes]
+
+
+def _stream_id_key(stream_id: str) -> tuple[int, int]:
+    millis, _, seq = stream_id.partition("-")
+    with contextlib.suppress(ValueError):
+        return int(millis), int(seq or 0)
+    return 0, 0

@@ -1,0 +1,197 @@
+"""The OpenAI response shapes, as the official SDK parses them: completions and chat, whole and streamed.
+
+serving.py turns tokens into ChoiceDeltas; the two formats here turn those into response bodies and chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# JSON has no -inf; like vLLM, report impossible tokens with a very small finite logprob.
+MIN_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and the most likely alternatives at its position (best first)."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one step of one choice added."""
+
+    index: int
+    text: str
+    num_tokens: int
+    logprobs: list[TokenLogprob]  # one per token when logprobs were asked for
+    finish_reason: str | None
+    num_cached_tokens: int | None  # on a choice's first delta: the prefix-cache hit of its prefill
+
+
+@dataclass
+class ChoiceResult:
+    """A whole choice, for non-streaming responses."""
+
+    index: int
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.logprobs += delta.logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+class UsageTally:
+    """Token counts of one response. OpenAI counts a prompt once however many samples it has; the cached
+    tokens are those of each prompt's first sample's prefill."""
+
+    def __init__(self, num_prompt_tokens: int, n: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.n = n
+        self.num_completion_tokens = 0
+        self.num_cached_tokens = 0
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.num_completion_tokens += delta.num_tokens
+        if delta.num_cached_tokens is not None and delta.index % self.n == 0:
+            self.num_cached_tokens += delta.num_cached_tokens
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_completion_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+@dataclass(frozen=True)
+class Header:
+    """What every object of one response shares."""
+
+    request_id: str
+    model: str
+    created: int
+
+
+class CompletionFormat:
+    """/v1/completions: object "text_completion", choices with `text` and legacy logprobs."""
+
+    id_prefix = "cmpl"
+
+    def __init__(self, header: Header, with_logprobs: bool, include_usage: bool) -> None:
+        self.header = header
+        self.with_logprobs = with_logprobs
+        self.include_usage = include_usage
+        self.text_offsets: dict[int, int] = {}  # per choice, for the logprobs' text_offset
+
+    def _body(self, choices: list[dict[str, Any]], with_usage_field: bool, usage: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+        body = {"id": self.header.request_id, "object": "text_completion", "created": self.header.created,
+                "model": self.header.model, "choices": choices}
+        if with_usage_field:
+            body["usage"] = usage
+        return body
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """The legacy format. Its top_logprobs hold the sampled token too, as vLLM's do."""
+        if not self.with_logprobs:
+            return None
+        offset = self.text_offsets.get(index, 0)
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry.token)
+        self.text_offsets[index] = offset
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries], "text_offset": offsets}
+
+    def _choice(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob]
+                ) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": self._logprobs(index, entries),
+                "finish_reason": finish_reason}
+
+    def opening(self, num_choices: int) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not (delta.text or delta.finish_reason or (self.with_logprobs and delta.logprobs)):
+            return None
+        choice = self._choice(delta.index, delta.text, delta.finish_reason, delta.logprobs)
+        return self._body([choice], self.include_usage)
+
+    def closing(self, usage: UsageTally) -> dict[str, Any]:
+        return self._body([], True, usage.body())
+
+    def whole(self, results: list[ChoiceResult], usage: UsageTally) -> dict[str, Any]:
+        choices = [self._choice(r.index, r.text, r.finish_reason, r.logprobs) for r in results]
+        return self._body(choices, True, usage.body())
+
+
+class ChatFormat:
+    """/v1/chat/completions: object "chat.completion" with `message`s, or "chat.completion.chunk" with
+    `delta`s: the first chunk of each choice carries the role, the last its finish_reason."""
+
+    id_prefix = "chatcmpl"
+
+    def __init__(self, header: Header, with_logprobs: bool, include_usage: bool) -> None:
+        self.header = header
+        self.with_logprobs = with_logprobs
+        self.include_usage = include_usage
+
+    def _body(self, obj: str, choices: list[dict[str, Any]], with_usage_field: bool,
+              usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        body = {"id": self.header.request_id, "object": obj, "created": self.header.created,
+                "model": self.header.model, "choices": choices}
+        if with_usage_field:
+            body["usage"] = usage
+        return body
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+
+        def token(text: str, logprob: float) -> dict[str, Any]:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+        return {"content": [{**token(e.token, e.logprob), "top_logprobs": [token(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+
+    def _delta_choice(self, index: int, delta: dict[str, Any], finish_reason: str | None,
+                      entries: list[TokenLogprob]) -> dict[str, Any]:
+        logprobs = self._logprobs(entries) if entries else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def opening(self, num_choices: int) -> list[dict[str, Any]]:
+        return [self._body("chat.completion.chunk",
+                           [self._delta_choice(i, {"role": "assistant", "content": ""}, None, [])],
+                           self.include_usage) for i in range(num_choices)]
+
+    def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
+        if not (delta.text or delta.finish_reason or (self.with_logprobs and delta.logprobs)):
+            return None
+        content = {"content": delta.text} if delta.text else {}
+        choice = self._delta_choice(delta.index, content, delta.finish_reason, delta.logprobs)
+        return self._body("chat.completion.chunk", [choice], self.include_usage)
+
+    def closing(self, usage: UsageTally) -> dict[str, Any]:
+        return self._body("chat.completion.chunk", [], True, usage.body())
+
+    def whole(self, results: list[ChoiceResult], usage: UsageTally) -> dict[str, Any]:
+        choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text, "refusal": None},
+                    "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason} for r in results]
+        return self._body("chat.completion", choices, True, usage.body())

@@ -1,0 +1,250 @@
+"""Where a request runs: the decode node first, then whether to disaggregate, then the prefill node.
+
+Policies (`--routing`):
+- `prefix_load` (default): the cost model below.
+- `round_robin`: the fallback: nodes in turn, always disaggregated, no scores (health still counts).
+
+The cost model, for a prompt of L tokens (its full blocks hashed as the nodes hash them):
+  hit(n)    prompt tokens in the leading blocks node n's prefix cache holds (prefix index), at most L - 1:
+            a node always recomputes the last prompt token, whose logits it needs
+  busy(n)   the larger of running + waiting as n last reported, and the requests this proxy has in flight on
+            n (reports lag by up to a heartbeat; the proxy's own count covers a burst in between)
+  seats(n)  busy(n) / max_num_seqs(n)
+
+1. Decode node D: among decode nodes not saturated (seats < max_queue_factor), the lowest
+       score_D(n) = seats(n) + kv(n) - hit_weight * hit(n) / L
+   where kv(n) = (blocks in use + blocks the prompt still needs there) / total blocks, its fullness after
+   admitting the request. Each term is a fraction: hit_weight = 1 makes a full prefix hit worth a full batch
+   of seats. A hit on D saves the transfer of those blocks, and it is what makes colocation cheap (step 2).
+2. Disaggregate? D prefills the prompt itself ("colocated") when its uncached part u = L - hit(D) is short:
+       u <= colocate_max_tokens * (1 - min(seats(D), 1))
+   A short tail joins D's running batch as one prefill chunk, cheaper than P's round trip plus a transfer;
+   the allowance shrinks to nothing as D fills, since every prefill chunk on D slows all of D's running
+   requests. It is colocated too when no prefill node can take it (none healthy with D's KV layout, or all
+   saturated): D prefilling beats refusing the request.
+3. Prefill node P (D's KV layout): among those not saturated (queued prefill tokens below
+   max_prefill_queue_steps * max_num_batched_tokens, and seats < max_queue_factor), the lowest
+       score_P(n) = (queued(n) + L - hit(n)) / max_num_batched_tokens
+   about how many full prefill steps until this prompt's first token; queued(n) is the larger of the reported
+   queue and the prompt tokens this proxy has in flight on n. Ties go to the node with fewer running requests.
+
+No decode node at all: NoHealthyNodes; every decode node saturated: Overloaded. Unknown capacity (a static node
+whose Stats never answered) scores 0 on that term and never counts as saturated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+from collections import Counter
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.hashing import BlockHash, block_hashes
+from node_common.registry import Role
+from proxy.errors import NoHealthyNodes, Overloaded
+from proxy.prefix_index import PrefixIndex
+from proxy.registry import NodeState
+
+
+class RoutingPolicy(enum.Enum):
+    PREFIX_LOAD = "prefix_load"
+    ROUND_ROBIN = "round_robin"
+
+
+class Mode(enum.Enum):
+    DISAGGREGATED = "disaggregated"  # P prefills, D pulls the KV and decodes
+    COLOCATED = "colocated"  # D runs the whole request
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: RoutingPolicy = RoutingPolicy.PREFIX_LOAD
+    block_size: int = 16  # the cluster's: the proxy hashes prompts as the nodes do
+    hash_seed: str = "tandem"
+    colocate_max_tokens: int = 64  # uncached prompt tokens an idle D prefills itself; 0 = always disaggregate
+    hit_weight: float = 1.0
+    max_queue_factor: float = 2.0  # saturated at (running + waiting) >= this x max_num_seqs
+    max_prefill_queue_steps: float = 8.0  # P saturated at queued prompt tokens >= this x max_num_batched_tokens
+    retry_after_s: float = 1.0  # what Overloaded advises (about one heartbeat: loads will have been refreshed)
+
+
+@dataclass(frozen=True)
+class Route:
+    mode: Mode
+    decode: NodeState
+    prefill: NodeState | None  # None when colocated
+    num_prompt_tokens: int
+    prompt_hashes: tuple[BlockHash, ...]
+    decode_hit_tokens: int = 0
+    prefill_hit_tokens: int = 0
+
+
+class NodeSource(Protocol):
+    """The live table (proxy.registry.NodeDirectory; a plain list in unit tests)."""
+
+    index: PrefixIndex
+
+    def nodes(self, role: Role) -> list[NodeState]:
+        """The nodes of a role that may take new requests."""
+        ...
+
+
+@dataclass
+class _InFlight:
+    requests: int = 0
+    prefill_tokens: int = 0
+
+
+@dataclass
+class Router:
+    source: NodeSource
+    config: RouterConfig = field(default_factory=RouterConfig)
+    decision_counts: Counter[str] = field(default_factory=Counter)  # by Mode value, one per request
+
+    def __post_init__(self) -> None:
+        self._inflight: dict[str, _InFlight] = {}
+        self._turn = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
+
+    # ---- decisions ----
+    def route(self, prompt_token_ids: Sequence[int], exclude_decode: Collection[str] = ()) -> Route:
+        """Chooses D, the mode and (disaggregated) P for a prompt. Raises NoHealthyNodes or Overloaded."""
+        hashes = tuple(block_hashes(prompt_token_ids, self.config.block_size, self.config.hash_seed))
+        num_tokens = len(prompt_token_ids)
+        decode_nodes = [n for n in self.source.nodes(Role.DECODE) if n.address not in exclude_decode]
+        if not decode_nodes:
+            raise NoHealthyNodes("no healthy decode node")
+        if self.config.policy is RoutingPolicy.ROUND_ROBIN:
+            decode = self._next(Role.DECODE, decode_nodes)
+            prefill = self._next(Role.PREFILL, self._prefill_candidates(decode))
+            route = Route(Mode.DISAGGREGATED, decode, prefill, num_tokens, hashes)
+        else:
+            route = self._route_by_cost(num_tokens, hashes, decode_nodes)
+        self.decision_counts[route.mode.value] += 1
+        return route
+
+    def _route_by_cost(self, num_tokens: int, hashes: tuple[BlockHash, ...], decode_nodes: list[NodeState]
+                       ) -> Route:
+        hits = self._hit_tokens(hashes, num_tokens, decode_nodes)
+        open_nodes = [n for n in decode_nodes if not self._saturated(n)]
+        if not open_nodes:
+            raise Overloaded(f"all {len(decode_nodes)} decode nodes are saturated", self.config.retry_after_s)
+        decode = min(open_nodes, key=lambda n: (self.decode_score(n, num_tokens, hits.get(n.node_id, 0)), n.address))
+        decode_hit = hits.get(decode.node_id, 0)
+        if num_tokens - decode_hit <= self.config.colocate_max_tokens * (1.0 - min(self._seats(decode), 1.0)):
+            return Route(Mode.COLOCATED, decode, None, num_tokens, hashes, decode_hit)
+        prefill, prefill_hit = self._best_prefill(num_tokens, hashes, decode, exclude=())
+        if prefill is None:  # no prefill node can take it: D prefilling beats refusing
+            return Route(Mode.COLOCATED, decode, None, num_tokens, hashes, decode_hit)
+        return Route(Mode.DISAGGREGATED, decode, prefill, num_tokens, hashes, decode_hit, prefill_hit)
+
+    def another_prefill(self, route: Route, decode: NodeState, exclude: Collection[str]) -> NodeState | None:
+        """A prefill node for a retry: one not in `exclude` if any can take it, else the best of all (a
+        transient failure may pass); None when no prefill node pairs with `decode`."""
+        if self.config.policy is RoutingPolicy.ROUND_ROBIN:
+            candidates = self._prefill_candidates(decode)
+            others = [n for n in candidates if n.address not in exclude]
+            return self._next(Role.PREFILL, others or candidates) if candidates else None
+        for excluded in (exclude, ()):
+            node, _ = self._best_prefill(route.num_prompt_tokens, route.prompt_hashes, decode, excluded)
+            if node is not None:
+                return node
+        return None
+
+    def another_decode(self, exclude: Collection[str]) -> NodeState | None:
+        """A decode node to continue a request whose D failed before streaming (none: None)."""
+        nodes = [n for n in self.source.nodes(Role.DECODE) if n.address not in exclude and not self._saturated(n)]
+        if not nodes:
+            return None
+        if self.config.policy is RoutingPolicy.ROUND_ROBIN:
+            return self._next(Role.DECODE, nodes)
+        return min(nodes, key=lambda n: (self._seats(n), n.address))
+
+    def _best_prefill(self, num_tokens: int, hashes: tuple[BlockHash, ...], decode: NodeState,
+                      exclude: Collection[str]) -> tuple[NodeState | None, int]:
+        candidates = [n for n in self._prefill_candidates(decode)
+                      if n.address not in exclude and not self._saturated(n)]
+        if not candidates:
+            return None, 0
+        hits = self._hit_tokens(hashes, num_tokens, candidates)
+        best = min(candidates, key=lambda n: (self.prefill_score(n, num_tokens, hits.get(n.node_id, 0)),
+                                              self._busy(n), n.address))
+        return best, hits.get(best.node_id, 0)
+
+    def _prefill_candidates(self, decode: NodeState) -> list[NodeState]:
+        """Prefill nodes whose KV layout D can read (unknown layouts are given the benefit of the doubt)."""
+        return [n for n in self.source.nodes(Role.PREFILL)
+                if not (n.layout_hash and decode.layout_hash and n.layout_hash != decode.layout_hash)]
+
+    # ---- scores (lower is better) ----
+    def decode_score(self, node: NodeState, num_tokens: int, hit_tokens: int) -> float:
+        score = self._seats(node) - self.config.hit_weight * hit_tokens / max(num_tokens, 1)
+        total = node.capacity.total_kv_blocks
+        if total:
+            block_size = node.capacity.block_size or self.config.block_size
+            needed = -(-num_tokens // block_size) - hit_tokens // block_size
+            score += (total - node.load.free_kv_blocks + needed) / total
+        return score
+
+    def prefill_score(self, node: NodeState, num_tokens: int, hit_tokens: int) -> float:
+        work = self._queued_prefill_tokens(node) + num_tokens - hit_tokens
+        return work / (node.capacity.max_num_batched_tokens or 2048)
+
+    def _hit_tokens(self, hashes: tuple[BlockHash, ...], num_tokens: int, nodes: Sequence[NodeState]
+                    ) -> dict[str, int]:
+        aware = [n.node_id for n in nodes if n.prefix_aware]
+        if not aware or not hashes:
+            return {}
+        limit = num_tokens - 1  # the last prompt token is recomputed even on a full hit
+        return {node_id: min(depth * self.config.block_size, limit)
+                for node_id, depth in self.source.index.match(hashes, aware).items()}
+
+    # ---- load ----
+    def _busy(self, node: NodeState) -> int:
+        reported = node.load.num_running + node.load.num_waiting
+        return max(reported, self._inflight_of(node).requests)
+
+    def _seats(self, node: NodeState) -> float:
+        return self._busy(node) / node.capacity.max_num_seqs if node.capacity.max_num_seqs else 0.0
+
+    def _queued_prefill_tokens(self, node: NodeState) -> int:
+        return max(node.load.num_queued_prefill_tokens, self._inflight_of(node).prefill_tokens)
+
+    def _saturated(self, node: NodeState) -> bool:
+        if self._seats(node) >= self.config.max_queue_factor:
+            return True
+        step = node.capacity.max_num_batched_tokens
+        return (node.role is Role.PREFILL and step > 0
+                and self._queued_prefill_tokens(node) >= self.config.max_prefill_queue_steps * step)
+
+    def _inflight_of(self, node: NodeState) -> _InFlight:
+        return self._inflight.get(node.address) or _InFlight()
+
+    @contextlib.contextmanager
+    def prefilling(self, node: NodeState, num_tokens: int) -> Iterator[None]:
+        """Counts a prefill this proxy has in flight on `node` (its load until the node's next report)."""
+        inflight = self._inflight.setdefault(node.address, _InFlight())
+        inflight.requests += 1
+        inflight.prefill_tokens += num_tokens
+        try:
+            yield
+        finally:
+            inflight.requests -= 1
+            inflight.prefill_tokens -= num_tokens
+
+    @contextlib.contextmanager
+    def decoding(self, node: NodeState) -> Iterator[None]:
+        """Counts a request this proxy has streaming from `node`."""
+        inflight = self._inflight.setdefault(node.address, _InFlight())
+        inflight.requests += 1
+        try:
+            yield
+        finally:
+            inflight.requests -= 1
+
+    def _next(self, role: Role, nodes: list[NodeState]) -> NodeState:
+        if not nodes:
+            raise NoHealthyNodes(f"no healthy {role.value} node")
+        return nodes[next(self._turn[role]) % len(nodes)]

@@ -1,0 +1,222 @@
+"""One HTTP request's generations: every choice (n samples of each prompt) runs through the P/D pipeline
+concurrently and comes back as a stream of ChoiceDeltas: text, token count, logprobs, finish.
+
+Closing that stream (the client went away, or an error in one choice) closes every choice's pipeline
+stream, which aborts the request on the decode node and releases the ticket on the prefill node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from engine.detokenizer import IncrementalDetokenizer, decode_token
+from engine.types import PositionLogprobs, SamplingParams
+from proxy.clients import NodeError
+from proxy.errors import NoHealthyNodes, Overloaded
+from proxy.metrics import ProxyMetrics
+from proxy.openai_api import APIError
+from proxy.pd import PDPipeline
+from proxy.responses import MIN_LOGPROB, ChoiceDelta, TokenLogprob, finite
+
+logger = logging.getLogger(__name__)
+
+_STATUS_OF_NODE_ERROR = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+@dataclass
+class ProxyState:
+    """What the HTTP layer serves with. `max_model_len` bounds prompt + max_tokens (HTTP 413 beyond);
+    `max_num_requests` bounds the choices in flight at this proxy (HTTP 429 beyond)."""
+
+    pipeline: PDPipeline
+    tokenizer: Any
+    served_model_name: str
+    request_timeout_s: float = 600.0
+    max_model_len: int | None = None
+    api_key: str | None = None
+    max_num_requests: int | None = None
+    metrics: ProxyMetrics = field(init=False)  # each state its own registry: several apps fit in one process
+    num_running: int = field(init=False, default=0)  # choices in flight
+    _token_texts: dict[int, str] = field(init=False, default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ProxyMetrics(self.served_model_name)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = decode_token(self.tokenizer, token_id)
+        return text
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One choice: a prompt and one sample's parameters (n=1, its own seed)."""
+
+    index: int  # the choice index: prompt_index * n + sample_index
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def fan_out(prompts: Sequence[list[int]], params: SamplingParams) -> list[SubRequest]:
+    """n samples of each prompt, seeds spread as engine SamplingParams.for_sample does (seed + i)."""
+    return [SubRequest(p * params.n + i, p, i, prompt, params.for_sample(i))
+            for p, prompt in enumerate(prompts) for i in range(params.n)]
+
+
+def api_error(e: Exception) -> APIError:
+    """The OpenAI error for what the routing layer or a node reported."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, Overloaded):
+        return APIError(429, str(e) or "the cluster is overloaded; retry later", code="overloaded",
+                        kind="rate_limit_error", headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
+    if isinstance(e, NoHealthyNodes):
+        return APIError(503, str(e) or "no healthy nodes", code="no_healthy_nodes", kind="service_unavailable")
+    if isinstance(e, NodeError):
+        status = _STATUS_OF_NODE_ERROR.get(e.code, 502)
+        kind = {429: "rate_limit_error", 503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
+        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        return APIError(status, str(e), code=e.code.name.lower(), kind=kind, headers=headers)
+    logger.exception("internal error", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error", kind="server_error")
+
+
+class TextStream:
+    """Token ids in, text out, with stop strings: text that could still become a stop string is held back
+    until it cannot (or the request ends), so a stop string never leaks into a stream."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.params = params
+        self.holdback = max((len(s) for s in params.stop or []), default=1) - 1
+        self.num_sent = 0
+        self.stop_string: str | None = None
+
+    def push(self, token_ids: list[int], stop_token_id: int | None) -> None:
+        for token_id in token_ids:
+            if token_id == stop_token_id and not self.params.include_stop_str_in_output:
+                continue
+            self.detok.push(token_id)
+            self.stop_string = self.detok.check_stop()
+            if self.stop_string is not None:
+                return
+
+    def take(self, final: bool) -> str:
+        if final and self.stop_string is None:
+            self.detok.flush()
+        text = self.detok.text
+        end = len(text) if final or self.stop_string is not None else max(self.num_sent, len(text) - self.holdback)
+        delta = text[self.num_sent:end]
+        self.num_sent = end
+        return delta
+
+
+def _token_logprobs(state: ProxyState, token_ids: list[int], positions: list[PositionLogprobs],
+                    num_top: int) -> list[TokenLogprob]:
+    entries = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        sampled = position.get(token_id)
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
+        entries.append(TokenLogprob(state.token_text(token_id), finite(sampled.logprob) if sampled else MIN_LOGPROB,
+                                    [(state.token_text(t), finite(lp.logprob)) for t, lp in ranked]))
+    return entries
+
+
+async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival: float
+                   ) -> AsyncGenerator[ChoiceDelta, None]:
+    text = TextStream(state.tokenizer, sub.prompt_token_ids, sub.params)
+    num_top = sub.params.logprobs
+    deadline = time.time() + state.request_timeout_s
+    recorder = state.metrics.request(arrival, len(sub.prompt_token_ids))
+    stream = state.pipeline.generate(f"{request_id}-{sub.index}", sub.prompt_token_ids, sub.params, deadline)
+    try:
+        async for chunk in stream:
+            recorder.on_tokens(len(chunk.token_ids))
+            text.push(chunk.token_ids, chunk.stop_token_id)
+            if text.stop_string is not None:
+                finish: str | None = "stop"
+            else:
+                finish = str(chunk.finish_reason) if chunk.finish_reason else None
+            logprobs = [] if num_top is None else _token_logprobs(state, chunk.token_ids, chunk.logprobs, num_top)
+            if finish is not None:
+                recorder.finish(finish)
+            yield ChoiceDelta(sub.index, text.take(final=finish is not None), len(chunk.token_ids), logprobs, finish,
+                              chunk.num_cached_tokens)
+            if finish is not None:
+                return  # after a stop string, closing the stream aborts the rest on the nodes
+    except Exception as e:
+        error = api_error(e)
+        if error.status >= 500:
+            logger.warning("request %s choice %d failed: %s", request_id, sub.index, e)
+        recorder.fail(error.code or str(error.status))
+        raise error from e
+    finally:
+        await stream.aclose()
+        recorder.close()
+
+
+async def generate(state: ProxyState, request_id: str, subs: list[SubRequest], arrival: float
+                   ) -> AsyncGenerator[ChoiceDelta, None]:
+    """The deltas of all choices, interleaved as they come. An error in any choice ends them all and is
+    raised as an APIError; so is admission beyond max_num_requests (429)."""
+    limit = state.max_num_requests
+    if limit is not None and state.num_running + len(subs) > limit:
+        raise api_error(Overloaded(f"{state.num_running} requests are in flight at this proxy (limit {limit})"))
+    state.num_running += len(subs)
+    try:
+        if len(subs) == 1:
+            async with contextlib.aclosing(_run_one(state, request_id, subs[0], arrival)) as one:
+                async for delta in one:
+                    yield delta
+            return
+        async for delta in _merged(state, request_id, subs, arrival):
+            yield delta
+    finally:
+        state.num_running -= len(subs)
+
+
+async def _merged(state: ProxyState, request_id: str, subs: list[SubRequest], arrival: float
+                  ) -> AsyncGenerator[ChoiceDelta, None]:
+    queue: asyncio.Queue[ChoiceDelta | APIError | None] = asyncio.Queue()  # None: a choice ended
+
+    async def pump(sub: SubRequest) -> None:
+        try:
+            async with contextlib.aclosing(_run_one(state, request_id, sub, arrival)) as one:
+                async for delta in one:
+                    queue.put_nowait(delta)
+            queue.put_nowait(None)
+        except APIError as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(sub)) for sub in subs]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            item = await queue.get()
+            if item is None:
+                num_running -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield item
+    finally:
+        # cancelling a pump closes its choice's pipeline stream: the nodes abort and release
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

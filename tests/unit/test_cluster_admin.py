@@ -1,0 +1,108 @@
+"""The admin API's token check and input validation, the state file the CLI reads, and the CLI's errors
+(no Ray: the pool manager is only asked for sizes here)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from cluster import cli
+from cluster.admin import create_admin_app
+from cluster.pools import NodeLaunch, PoolManager, placement_bundles
+from cluster.serve import proxy_hashing_args
+from cluster.state import ClusterState, read_state, remove_state, state_path, write_state
+
+TOKEN = "secret-token"
+
+
+@pytest.fixture
+def pools() -> PoolManager:
+    launch = NodeLaunch(model="/m", dtype="auto", kv_backend="nixl", registry_url="redis://127.0.0.1:1/0")
+    return PoolManager(launch, {"prefill": 1, "decode": 1})
+
+
+@pytest.fixture
+def client(pools: PoolManager) -> TestClient:
+    return TestClient(create_admin_app(pools, TOKEN, extra_status={"proxy_url": "http://127.0.0.1:8000"}))
+
+
+def auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_status_reports_desired_and_ready_per_pool(client: TestClient) -> None:
+    body = client.get("/status", headers=auth()).json()
+    assert body["pools"]["prefill"] == {"desired": 1, "ready": 0, "starting": 0, "draining": 0}
+    assert body["pools"]["decode"]["desired"] == 1 and body["proxy_url"] == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize("headers", [{}, auth("wrong"), {"Authorization": TOKEN}])
+def test_requests_without_the_token_are_refused(client: TestClient, headers: dict[str, str]) -> None:
+    assert client.get("/status", headers=headers).status_code == 401
+    assert client.post("/scale", json={"decode": 2}, headers=headers).status_code == 401
+
+
+def test_scale_sets_the_desired_sizes(client: TestClient, pools: PoolManager) -> None:
+    r = client.post("/scale", json={"decode": 3}, headers=auth())
+    assert r.status_code == 202 and r.json()["pools"]["decode"]["desired"] == 3
+    assert pools.desired == {"prefill": 1, "decode": 3}
+
+
+@pytest.mark.parametrize("body", [{}, {"decode": -1}, {"decode": "2"}, {"decode": True}, {"router": 1},
+                                  [1, 2], {"prefill": 10_000}])
+def test_scale_refuses_bad_bodies(client: TestClient, pools: PoolManager, body: object) -> None:
+    r = client.post("/scale", json=body, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert pools.desired == {"prefill": 1, "decode": 1}
+
+
+def test_placement_has_one_bundle_per_tensor_parallel_rank() -> None:
+    assert placement_bundles(1, use_gpus=False, cpus_per_node=0.5) == [{"CPU": 0.5}]
+    assert placement_bundles(2, use_gpus=True, cpus_per_node=0.5) == [{"GPU": 1.0}, {"GPU": 1.0}]
+
+
+def test_the_state_file_is_private_and_removed_only_by_its_writer(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    state = ClusterState(admin_url="http://127.0.0.1:1", token=TOKEN, proxy_url="http://127.0.0.1:8000", pid=42)
+    path = write_state(state)
+    assert path == state_path() == tmp_path / "cluster.json"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert read_state() == state
+    remove_state(pid=43)
+    assert read_state() == state
+    remove_state(pid=42)
+    assert read_state() is None
+
+
+def test_the_cli_says_when_there_is_no_local_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TANDEM_ADMIN_URL", raising=False)
+    assert cli.main(["status"]) == 2
+    assert "no local cluster" in capsys.readouterr().err
+    assert cli.main(["scale"]) == 2
+    assert "--prefill N and/or --decode M" in capsys.readouterr().err
+
+
+def test_the_cli_ignores_a_state_file_left_by_a_process_that_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TANDEM_ADMIN_URL", raising=False)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    write_state(ClusterState(admin_url="http://127.0.0.1:1", token=TOKEN, proxy_url="", pid=gone.pid))
+    assert cli.main(["status", "--json"]) == 2
+    assert "left over from process" in capsys.readouterr().err
+
+
+def test_the_proxy_hashes_prefixes_with_the_nodes_block_size_and_seed() -> None:
+    assert proxy_hashing_args("--num-kv-blocks 64 --block-size 4 --hash-seed s1") == ["--block-size", "4",
+                                                                                  "--hash-seed", "s1"]
+    assert proxy_hashing_args("--max-num-seqs 8") == []

@@ -1,0 +1,176 @@
+"""The pipeline's failure handling with scripted nodes: prefill retried on another P, a failed handoff
+prefilled again for a fresh ticket, no replay once D has streamed, cleanup when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.types import FinishReason, SamplingParams
+from node_common.registry import NodeCapacity, NodeLoad, Role
+from proxy.clients import Decoded, NodeError, Prefilled
+from proxy.pd import PDPipeline, TokenChunk
+from proxy.prefix_index import PrefixIndex
+from proxy.registry import NodeState
+from proxy.router import Router, RouterConfig
+
+PROMPT = list(range(10, 210))  # long enough to be disaggregated
+PARAMS = SamplingParams(max_tokens=3)
+
+
+def retryable(node: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> NodeError:
+    return NodeError(node, code, "transfer failed", retryable=True)
+
+
+@dataclass
+class FakePrefill:
+    name: str
+    failures: list[NodeError] = field(default_factory=list)  # raised by the next prefills, in order
+    calls: list[str] = field(default_factory=list)
+    released: list[Any] = field(default_factory=list)
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float
+                      ) -> Prefilled:
+        self.calls.append(request_id)
+        if self.failures:
+            raise self.failures.pop(0)
+        return Prefilled(7, None, None, 4, f"ticket-{self.name}-{len(self.calls)}")  # type: ignore[arg-type]
+
+    async def release(self, ticket: Any) -> None:
+        self.released.append(ticket)
+
+
+@dataclass
+class FakeDecode:
+    name: str
+    script: list[NodeError | None] = field(default_factory=list)  # per call: fail before streaming, or stream
+    fail_after_first: bool = False
+    tickets: list[Any] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, prefilled: Prefilled | None,
+                       deadline: float) -> AsyncIterator[Decoded]:
+        self.tickets.append(prefilled.ticket if prefilled is not None else None)
+        failure = self.script.pop(0) if self.script else None
+        if failure is not None:
+            raise failure
+        if prefilled is None:  # colocated: D samples the first token itself
+            yield Decoded([7], [], None, None, num_cached_tokens=12)
+        yield Decoded([8], [], None, None)
+        if self.fail_after_first:
+            raise retryable(self.name, grpc.StatusCode.UNAVAILABLE)
+        yield Decoded([9], [], FinishReason.LENGTH, None)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+@dataclass
+class FakeDirectory:
+    prefill: dict[str, FakePrefill]
+    decode: dict[str, FakeDecode]
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+
+    async def start(self) -> None:
+        return None
+
+    def nodes(self, role: Role) -> list[NodeState]:
+        names = self.prefill if role is Role.PREFILL else self.decode
+        return [NodeState(name, role, name, "L", NodeCapacity(100, 8, 256, 4), NodeLoad(100, 0, 0, 0))
+                for name in names]
+
+    def prefill_client(self, node: NodeState) -> FakePrefill:
+        return self.prefill[node.address]
+
+    def decode_client(self, node: NodeState) -> FakeDecode:
+        return self.decode[node.address]
+
+
+def pipeline(directory: FakeDirectory, colocate_max_tokens: int = 0) -> PDPipeline:
+    router = Router(directory, RouterConfig(block_size=4, colocate_max_tokens=colocate_max_tokens))
+    return PDPipeline(directory, router, max_retries=2)  # type: ignore[arg-type]
+
+
+def run(p: PDPipeline, take: int | None = None) -> list[TokenChunk]:
+    async def collect() -> list[TokenChunk]:
+        chunks = []
+        stream = p.generate("r", PROMPT, PARAMS, deadline=1e12)
+        try:
+            async for chunk in stream:
+                chunks.append(chunk)
+                if take is not None and len(chunks) == take:
+                    break
+        finally:
+            await stream.aclose()
+        return chunks
+
+    return asyncio.run(collect())
+
+
+def tokens(chunks: list[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_a_failed_prefill_runs_again_on_another_prefill_node() -> None:
+    p1, p2 = FakePrefill("p1", [retryable("p1", grpc.StatusCode.UNAVAILABLE)]), FakePrefill("p2")
+    d = FakeDecode("d1")
+    chunks = run(pipeline(FakeDirectory({"p1": p1, "p2": p2}, {"d1": d})))
+    assert tokens(chunks) == [7, 8, 9] and len(p1.calls) == 1 and len(p2.calls) == 1
+    assert d.tickets == ["ticket-p2-1"]
+
+
+def test_a_non_retryable_prefill_error_is_raised_at_once() -> None:
+    p1 = FakePrefill("p1", [NodeError("p1", grpc.StatusCode.INVALID_ARGUMENT, "bad prompt", retryable=False)])
+    p2 = FakePrefill("p2")
+    with pytest.raises(NodeError):
+        run(pipeline(FakeDirectory({"p1": p1, "p2": p2}, {"d1": FakeDecode("d1")})))
+    assert p2.calls == []
+
+
+def test_a_failed_handoff_prefills_again_elsewhere_and_keeps_the_first_token() -> None:
+    p1, p2 = FakePrefill("p1"), FakePrefill("p2")
+    d = FakeDecode("d1", script=[retryable("d1"), None])
+    chunks = run(pipeline(FakeDirectory({"p1": p1, "p2": p2}, {"d1": d})))
+    assert tokens(chunks) == [7, 8, 9]  # the first token was sent once
+    assert p1.released == ["ticket-p1-1"] and p2.calls == ["r-retry1"] and d.tickets == ["ticket-p1-1", "ticket-p2-1"]
+
+
+def test_retries_are_bounded() -> None:
+    p1 = FakePrefill("p1")
+    d = FakeDecode("d1", script=[retryable("d1")] * 5)
+    with pytest.raises(NodeError):
+        run(pipeline(FakeDirectory({"p1": p1}, {"d1": d})))
+    assert len(d.tickets) == 3 and len(p1.calls) == 3  # the first try and max_retries=2 more
+
+
+def test_a_decode_failure_after_streaming_is_raised_not_replayed() -> None:
+    p1, p2 = FakePrefill("p1"), FakePrefill("p2")
+    d = FakeDecode("d1", fail_after_first=True)
+    with pytest.raises(NodeError):
+        run(pipeline(FakeDirectory({"p1": p1, "p2": p2}, {"d1": d})))
+    assert len(d.tickets) == 1 and p2.calls == [] and d.aborted == ["r"]
+
+
+def test_colocated_requests_go_to_the_decode_node_without_a_ticket() -> None:
+    p1, d = FakePrefill("p1"), FakeDecode("d1")
+    chunks = run(pipeline(FakeDirectory({"p1": p1}, {"d1": d}), colocate_max_tokens=1000))
+    assert tokens(chunks) == [7, 8, 9] and chunks[0].num_cached_tokens == 12
+    assert d.tickets == [None] and p1.calls == []
+
+
+def test_an_unreachable_colocated_decode_node_is_replaced_by_another() -> None:
+    d1 = FakeDecode("d1", script=[retryable("d1", grpc.StatusCode.UNAVAILABLE)])
+    d2 = FakeDecode("d2")
+    chunks = run(pipeline(FakeDirectory({}, {"d1": d1, "d2": d2}), colocate_max_tokens=1000))
+    assert tokens(chunks) == [7, 8, 9] and d2.tickets == [None]
+
+
+def test_a_client_that_goes_away_aborts_on_d_and_releases_on_p() -> None:
+    p1, d = FakePrefill("p1"), FakeDecode("d1")
+    chunks = run(pipeline(FakeDirectory({"p1": p1}, {"d1": d})), take=2)
+    assert tokens(chunks) == [7, 8] and d.aborted == ["r"] and p1.released == ["ticket-p1-1"]

@@ -1,0 +1,184 @@
+"""The router's choices over a fixed node table and prefix index: decode node first, the colocation decision,
+then the prefill node; the round-robin fallback; no nodes and overload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from engine.hashing import block_hashes
+from node_common.registry import NodeCapacity, NodeLoad, Role
+from proxy.errors import NoHealthyNodes, Overloaded
+from proxy.prefix_index import PrefixIndex
+from proxy.registry import NodeState
+from proxy.router import Mode, Router, RouterConfig, RoutingPolicy
+
+BLOCK = 4
+SEED = "s"
+
+
+@dataclass
+class Table:
+    """A NodeSource: a list of nodes and an index."""
+
+    all: list[NodeState] = field(default_factory=list)
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+
+    def nodes(self, role: Role) -> list[NodeState]:
+        return [n for n in self.all if n.role is role and not n.draining]
+
+
+def node(name: str, role: Role, running: int = 0, waiting: int = 0, free: int = 100, queued: int = 0,
+         layout: str = "L") -> NodeState:
+    return NodeState(f"{name}:1", role, name, layout, NodeCapacity(100, 8, 256, BLOCK),
+                     NodeLoad(free, running, waiting, queued), prefix_aware=True, registered=True)
+
+
+def router(table: Table, **config: object) -> Router:
+    return Router(table, RouterConfig(block_size=BLOCK, hash_seed=SEED, **config))  # type: ignore[arg-type]
+
+
+def warm(table: Table, node_id: str, prompt: list[int]) -> None:
+    table.index.store(node_id, block_hashes(prompt, BLOCK, SEED))
+
+
+LONG = list(range(100, 300))  # 200 tokens: above the default colocation allowance
+SHORT = list(range(100, 120))
+
+
+# ---- the decode node ----
+def test_the_decode_node_holding_the_prefix_wins() -> None:
+    table = Table([node("d1", Role.DECODE), node("d2", Role.DECODE), node("p1", Role.PREFILL)])
+    warm(table, "d2", LONG[:160])
+    route = router(table).route(LONG)
+    assert route.decode.node_id == "d2" and route.decode_hit_tokens == 160
+
+
+def test_without_prefix_hits_the_less_loaded_decode_node_wins() -> None:
+    table = Table([node("d1", Role.DECODE, running=4), node("d2", Role.DECODE, running=1, free=90),
+                   node("p1", Role.PREFILL)])
+    assert router(table).route(LONG).decode.node_id == "d2"
+
+
+def test_a_prefix_hit_does_not_outweigh_a_decode_node_more_than_a_batch_busier() -> None:
+    table = Table([node("d1", Role.DECODE, running=8, waiting=7), node("d2", Role.DECODE), node("p1", Role.PREFILL)])
+    warm(table, "d1", LONG[:100])  # half the prompt: worth half a batch of seats
+    assert router(table).route(LONG).decode.node_id == "d2"
+
+
+def test_a_node_whose_hashes_differ_from_ours_gets_no_prefix_credit() -> None:
+    table = Table([node("d1", Role.DECODE), replace(node("d2", Role.DECODE), prefix_aware=False),
+                   node("p1", Role.PREFILL)])
+    warm(table, "d2", LONG)
+    assert router(table).route(LONG).decode_hit_tokens == 0
+
+
+# ---- disaggregate or colocate ----
+def test_short_prompts_run_on_the_decode_node_alone() -> None:
+    table = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL)])
+    r = router(table)
+    short, long = r.route(SHORT), r.route(LONG)
+    assert short.mode is Mode.COLOCATED and short.prefill is None
+    assert long.mode is Mode.DISAGGREGATED and long.prefill is not None and long.prefill.node_id == "p1"
+    assert r.decision_counts == {"colocated": 1, "disaggregated": 1}
+
+
+def test_a_big_prefix_hit_on_the_decode_node_makes_a_long_prompt_colocated() -> None:
+    table = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL)])
+    warm(table, "d1", LONG[:180])
+    route = router(table).route(LONG)
+    assert route.mode is Mode.COLOCATED and route.decode_hit_tokens == 180
+
+
+def test_the_colocation_allowance_shrinks_as_the_decode_node_fills() -> None:
+    prompt = SHORT + SHORT  # 40 tokens, under the 64-token allowance of an idle node
+    idle = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL)])
+    busy = Table([node("d1", Role.DECODE, running=6), node("p1", Role.PREFILL)])  # 3/4 of its seats: 16 tokens
+    assert router(idle).route(prompt).mode is Mode.COLOCATED
+    assert router(busy).route(prompt).mode is Mode.DISAGGREGATED
+
+
+def test_colocate_max_tokens_zero_always_disaggregates() -> None:
+    table = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL)])
+    warm(table, "d1", SHORT)
+    assert router(table, colocate_max_tokens=0).route(SHORT).mode is Mode.DISAGGREGATED
+
+
+def test_without_a_usable_prefill_node_the_decode_node_prefills() -> None:
+    no_prefill = Table([node("d1", Role.DECODE)])
+    other_layout = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL, layout="other")])
+    saturated = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL, queued=8 * 256)])
+    for table in (no_prefill, other_layout, saturated):
+        route = router(table).route(LONG)
+        assert route.mode is Mode.COLOCATED and route.prefill is None
+
+
+# ---- the prefill node ----
+def test_the_prefill_node_with_the_prefix_or_the_shorter_queue_wins() -> None:
+    table = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL), node("p2", Role.PREFILL)])
+    warm(table, "p2", LONG[:120])
+    route = router(table).route(LONG)
+    assert route.prefill is not None and route.prefill.node_id == "p2" and route.prefill_hit_tokens == 120
+    table.all[2] = node("p2", Role.PREFILL, queued=1000)  # its hit saves 120 tokens, its queue costs 1000
+    assert router(table).route(LONG).prefill.node_id == "p1"  # type: ignore[union-attr]
+
+
+def test_the_prefill_node_must_share_the_decode_nodes_kv_layout() -> None:
+    table = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL, layout="other"), node("p2", Role.PREFILL)])
+    warm(table, "p1", LONG)
+    assert router(table).route(LONG).prefill.node_id == "p2"  # type: ignore[union-attr]
+
+
+def test_requests_in_flight_spread_a_burst_before_the_next_load_report() -> None:
+    table = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL), node("p2", Role.PREFILL)])
+    r = router(table)
+    first = r.route(LONG)
+    assert first.prefill is not None
+    with r.prefilling(first.prefill, len(LONG)), r.decoding(first.decode):
+        second = r.route(LONG)
+        assert second.prefill is not None and second.prefill.node_id != first.prefill.node_id
+    assert r.route(LONG).prefill.node_id == first.prefill.node_id  # type: ignore[union-attr]
+
+
+def test_a_retry_prefers_another_prefill_node_then_the_same() -> None:
+    table = Table([node("d1", Role.DECODE), node("p1", Role.PREFILL), node("p2", Role.PREFILL)])
+    r = router(table)
+    route = r.route(LONG)
+    assert route.prefill is not None
+    other = r.another_prefill(route, route.decode, {route.prefill.address})
+    assert other is not None and other.address != route.prefill.address
+    again = r.another_prefill(route, route.decode, {"p1:1", "p2:1"})
+    assert again is not None  # every one failed once: the best is tried again rather than none
+    assert r.another_decode({"d1:1"}) is None
+
+
+# ---- health and overload ----
+def test_no_decode_node_is_no_healthy_nodes() -> None:
+    with pytest.raises(NoHealthyNodes):
+        router(Table([node("p1", Role.PREFILL)])).route(LONG)
+    draining = replace(node("d1", Role.DECODE), draining=True)
+    with pytest.raises(NoHealthyNodes):
+        router(Table([draining, node("p1", Role.PREFILL)])).route(LONG)
+
+
+def test_every_decode_node_saturated_is_overloaded() -> None:
+    table = Table([node("d1", Role.DECODE, running=8, waiting=8), node("d2", Role.DECODE, running=8, waiting=9),
+                   node("p1", Role.PREFILL)])
+    with pytest.raises(Overloaded) as e:
+        router(table).route(SHORT)
+    assert e.value.retry_after_s > 0
+
+
+# ---- round robin ----
+def test_round_robin_takes_nodes_in_turn_and_always_disaggregates() -> None:
+    table = Table([node("d1", Role.DECODE), node("d2", Role.DECODE), node("p1", Role.PREFILL),
+                   node("p2", Role.PREFILL)])
+    warm(table, "d1", SHORT)
+    r = router(table, policy=RoutingPolicy.ROUND_ROBIN)
+    routes = [r.route(SHORT) for _ in range(4)]
+    assert [x.decode.node_id for x in routes] == ["d1", "d2", "d1", "d2"]
+    assert [x.prefill.node_id for x in routes if x.prefill] == ["p1", "p2", "p1", "p2"]
+    assert all(x.mode is Mode.DISAGGREGATED for x in routes) and r.decision_counts == {"disaggregated": 4}
+    with pytest.raises(NoHealthyNodes):
+        router(Table([node("d1", Role.DECODE)]), policy=RoutingPolicy.ROUND_ROBIN).route(SHORT)
