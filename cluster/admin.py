@@ -67,7 +67,10 @@ def create_admin_app(pools: PoolManager, token: str, on_scale: Callable[[], None
         for role, size in body.items():
             if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_POOL_SIZE:
                 return error(400, f"{role}: a node count in 0..{MAX_POOL_SIZE}, got {size!r}")
-        pools.scale(body)
+        try:
+            pools.scale(body)
+        except ValueError as e:
+            return error(400, str(e))
         if on_scale is not None:
             on_scale()
         return JSONResponse(status_body(pools, extra_status), status_code=202)

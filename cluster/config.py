@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ class Setting:
     help: str
     choices: tuple[str, ...] | None = None
     minimum: float | None = None
+    metavar: str | None = None
 
     @property
     def flag(self) -> str:
@@ -41,26 +43,32 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("model", str, None, "Hugging Face model directory (default: the demo model, built on first use)"),
+    Setting("model", str, None, "Hugging Face model directory (default: the demo model, built on first use)",
+            metavar="PATH"),
     Setting("served_model_name", str, None,
-            "the model name clients send (default: the model folder's name; tandem-demo for the demo model)"),
-    Setting("prefill_nodes", int, 1, "number of prefill nodes", minimum=0),
-    Setting("decode_nodes", int, 1, "number of decode nodes", minimum=0),
-    Setting("tp", int, 1, "tensor-parallel ranks per node (one placement bundle each)", minimum=1),
+            "the model name clients send (default: the model folder's name; tandem-demo for the demo model)",
+            metavar="NAME"),
+    Setting("prefill_nodes", int, 1, "number of prefill nodes", minimum=0, metavar="N"),
+    Setting("decode_nodes", int, 1, "number of decode nodes", minimum=0, metavar="M"),
+    Setting("tp", int, 1, "tensor-parallel ranks per node (one placement bundle each)", minimum=1, metavar="N"),
     Setting("kv_backend", str, "nixl", "KV transfer library", choices=("nixl", "mooncake")),
     Setting("dtype", str, "auto", "model dtype", choices=("auto", "float32", "bfloat16")),
-    Setting("host", str, "127.0.0.1", "address the proxy listens on"),
-    Setting("port", int, 8000, "port the proxy listens on", minimum=1),
-    Setting("ray_address", str, "local", "Ray cluster to join ('local' starts one on this machine)"),
-    Setting("api_key", str, None, "clients must send 'Authorization: Bearer KEY' (default: no key)"),
-    Setting("registry", str, None, "redis:// URL of the node registry (default: a redis-server started here)"),
-    Setting("admin_port", int, 0, "port of the admin API on 127.0.0.1 (0: any free port)", minimum=0),
-    Setting("node_cpus", float, 0.5, "CPUs reserved per node in its placement group (CPU machines)", minimum=0.0),
-    Setting("node_args", str, "", "extra flags for every node process, e.g. '--num-kv-blocks 512'"),
-    Setting("proxy_args", str, "", "extra flags for the proxy, e.g. '--routing round_robin'"),
-    Setting("drain_timeout", float, 120.0, "seconds a removed node may take to finish its requests", minimum=1.0),
+    Setting("host", str, "127.0.0.1", "address the proxy listens on", metavar="H"),
+    Setting("port", int, 8000, "port the proxy listens on", minimum=1, metavar="P"),
+    Setting("ray_address", str, "local", "Ray cluster to join ('local' starts one on this machine)", metavar="ADDR"),
+    Setting("api_key", str, None, "clients must send 'Authorization: Bearer KEY' (default: no key)", metavar="KEY"),
+    Setting("registry", str, None, "redis:// URL of the node registry (default: a redis-server started here)",
+            metavar="URL"),
+    Setting("admin_port", int, 0, "port of the admin API on 127.0.0.1 (0: any free port)", minimum=0,
+            metavar="PORT"),
+    Setting("node_cpus", float, 0.5, "CPUs reserved per node in its placement group (CPU machines)", minimum=0.0,
+            metavar="CPUS"),
+    Setting("node_args", str, "", "extra flags for every node process, e.g. '--num-kv-blocks 512'", metavar="FLAGS"),
+    Setting("proxy_args", str, "", "extra flags for the proxy, e.g. '--routing round_robin'", metavar="FLAGS"),
+    Setting("drain_timeout", float, 120.0, "seconds a removed node may take to finish its requests", minimum=1.0,
+            metavar="SECONDS"),
     Setting("startup_timeout", float, 300.0, "seconds a node may take to be placed and start serving",
-            minimum=1.0),
+            minimum=1.0, metavar="SECONDS"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -92,7 +100,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help=f"YAML file of settings (or {ENV_PREFIX}CONFIG)")
     for s in SETTINGS:
         parser.add_argument(s.flag, dest=s.name, default=None, help=f"{s.help} [{s.env_var}]",
-                            type=s.kind, choices=s.choices)
+                            type=s.kind, choices=s.choices, metavar=s.metavar)
 
 
 def resolve(cli: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ServeConfig:
@@ -127,10 +135,11 @@ def load_yaml(path: Path) -> dict[str, Any]:
         name = str(key).replace("-", "_")
         if name not in _BY_NAME:
             raise ConfigError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(_BY_NAME))}")
-        setting = _BY_NAME[name]
-        if setting.kind is str and isinstance(value, Sequence) and not isinstance(value, str) and name == "node_args":
-            value = " ".join(str(v) for v in value)  # node_args may be a YAML list of flags
-        values[name] = None if value is None else _convert(setting, value, f"{path}: {key}")
+        if value is None:
+            continue  # `key:` with no value leaves the setting to the env var or the default
+        if name.endswith("_args") and isinstance(value, Sequence) and not isinstance(value, str):
+            value = shlex.join(str(v) for v in value)  # extra flags may be a YAML list
+        values[name] = _convert(_BY_NAME[name], value, f"{path}: {key}")
     return values
 
 

@@ -4,11 +4,12 @@ the node's process (`python -m prefill_node` / `decode_node`).
 A node's life:
 1. STARTING: its placement group is created and must be placed within the startup timeout (Ray waits forever
    for resources that never come, so every wait here has a timeout); the actor starts the process, which
-   registers itself in the registry and prints READY.
-2. READY: counted in the pool's `ready`. A process that exits on its own makes the node FAILED; the pool
-   replaces it.
-3. DRAINING (scale-down, shutdown): the actor sends SIGTERM; the node leaves the registry, finishes its
-   requests and exits (node_common/server.py); then the actor and the placement group go.
+   prints READY when it serves and then registers itself in the registry.
+2. READY (serving and registered: the proxy can find it): counted in the pool's `ready`. A process that exits
+   on its own makes the node FAILED; the pool replaces it.
+3. DRAINING (scale-down): the actor sends SIGTERM; the node marks itself draining in the registry (the proxy
+   stops choosing it), finishes its requests, deregisters and exits (node_common/server.py); then the actor
+   and the placement group go. At shutdown nodes stop at once instead (a second SIGTERM skips the wait).
 
 `PoolManager.reconcile` moves each pool towards its desired size; it runs every half second in `tandem serve`.
 """
@@ -16,6 +17,7 @@ A node's life:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import enum
 import itertools
@@ -32,14 +34,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import ray
+import redis.asyncio as aioredis
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from redis.exceptions import RedisError
+
+from node_common.registry import node_key
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ROLES = ("prefill", "decode")
 _RAY_CALL_TIMEOUT_S = 30.0
+FAILURE_BACKOFF_S = 5.0
 
 
 class NodeState(enum.Enum):
@@ -111,7 +118,8 @@ class NodeProcess:
 
     def state(self) -> tuple[str, int | None]:
         """("starting" | "ready" | "exited", exit code)."""
-        assert self.popen is not None, "start() first"
+        if self.popen is None:
+            return "exited", None  # never started
         code = self.popen.poll()
         if code is not None:
             return "exited", code
@@ -186,14 +194,37 @@ class PoolManager:
         self._ids = itertools.count()
         self._actor_class = ray.remote(max_restarts=0)(NodeProcess)
         self._last_health_check = 0.0
+        self._last_start_failure: dict[str, float] = {}
+        self._redis = aioredis.Redis.from_url(launch.registry_url, socket_timeout=5.0, socket_connect_timeout=2.0)
 
     # ---- what the admin API sees ----
     def scale(self, sizes: dict[str, int]) -> None:
+        """Sets desired sizes. Raises ValueError for a bad size, or for more nodes than this machine can place
+        (a single-machine cluster cannot grow; a multi-machine one may, through Ray's autoscaler)."""
         for role, size in sizes.items():
             if role not in ROLES or size < 0:
                 raise ValueError(f"pool sizes must be non-negative counts of {ROLES}, got {role}={size}")
+        total = sum({**self.desired, **sizes}.values())
+        room = self.room()
+        if self.launch.bind_loopback and room is not None and total > room:
+            raise ValueError(f"{total} nodes do not fit on this machine: it has room for {room} "
+                             f"({self._per_node()} each); ask for fewer, or start with a smaller --node-cpus")
         self.desired.update(sizes)
         logger.info("desired pool sizes: %s", self.desired)
+
+    def room(self) -> int | None:
+        """How many nodes the Ray cluster's resources hold in all (None before Ray is up)."""
+        if not ray.is_initialized():
+            return None
+        resources = ray.cluster_resources()
+        bundles = placement_bundles(self.launch.tp, self.launch.use_gpus, self.launch.cpus_per_node)
+        need = {name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")}
+        return min(int(resources.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0)
+
+    def _per_node(self) -> str:
+        if self.launch.use_gpus:
+            return f"{self.launch.tp} GPU"
+        return f"{self.launch.cpus_per_node:g} CPU"
 
     def status(self) -> dict[str, PoolStatus]:
         def count(role: str, state: NodeState) -> int:
@@ -215,7 +246,9 @@ class PoolManager:
             node.task = asyncio.create_task(self._remove(node, drain=False))
         for role in ROLES:
             live = [n for n in self.nodes if n.role == role and n.state in (NodeState.STARTING, NodeState.READY)]
-            for _ in range(self.desired[role] - len(live)):
+            # a node that cannot start (a bad flag, no memory) is retried, but not in a tight loop
+            backing_off = time.monotonic() - self._last_start_failure.get(role, -1e9) < FAILURE_BACKOFF_S
+            for _ in range(0 if backing_off else self.desired[role] - len(live)):
                 node = Node(f"{role}-{next(self._ids)}", role)
                 self.nodes.append(node)
                 node.task = asyncio.create_task(self._start(node))
@@ -233,6 +266,7 @@ class PoolManager:
             if node.task is not None:
                 node.task.cancel()
         await asyncio.gather(*(self._remove(n, drain=False) for n in list(self.nodes)), return_exceptions=True)
+        await self._redis.aclose()
 
     async def _start(self, node: Node) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -249,8 +283,8 @@ class PoolManager:
                                            f"the actor of {node.node_id} did not start")
             while True:
                 state, code = await _ray_wait(node.actor.state.remote(), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
-                if state == "ready":
-                    break
+                if state == "ready" and await self._registered(node):
+                    break  # serving, and the proxy can find it
                 if state == "exited":
                     tail = await _ray_wait(node.actor.log_tail.remote(), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
                     raise RuntimeError(f"exited with code {code} while starting:\n{tail}")
@@ -261,6 +295,7 @@ class PoolManager:
             raise
         except Exception as e:  # noqa: BLE001 - any failure to start makes the node FAILED, to be replaced
             logger.error("node %s failed to start: %s", node.node_id, e)
+            self._last_start_failure[node.role] = time.monotonic()
             node.error = str(e)
             node.state = NodeState.FAILED
         else:
@@ -269,6 +304,13 @@ class PoolManager:
         finally:
             if node.state is not NodeState.DRAINING:
                 node.task = None
+
+    async def _registered(self, node: Node) -> bool:
+        try:
+            return bool(await self._redis.exists(node_key(node.node_id)))
+        except (RedisError, OSError) as e:
+            logger.warning("cannot read the registry: %r", e)
+            return False
 
     async def _check_health(self) -> None:
         for node in [n for n in self.nodes if n.state is NodeState.READY]:
@@ -299,10 +341,13 @@ class PoolManager:
         except Exception as e:  # noqa: BLE001 - whatever happened, the actor and placement group still go
             logger.warning("stopping node %s: %s", node.node_id, e)
         finally:
-            if node.actor is not None:
-                ray.kill(node.actor)
-            if node.placement is not None:
-                remove_placement_group(node.placement)
+            actor, node.actor = node.actor, None  # freed once, whoever gets here first (drain or shutdown)
+            placement, node.placement = node.placement, None
+            with contextlib.suppress(Exception):  # Ray itself may be going away
+                if actor is not None:
+                    ray.kill(actor)
+                if placement is not None:
+                    remove_placement_group(placement)
             if node in self.nodes:
                 self.nodes.remove(node)
 

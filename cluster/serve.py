@@ -112,8 +112,12 @@ def serve(config: ServeConfig) -> None:
                             registry_url=registry_url, tp=config.tp, cpus_per_node=config.node_cpus,
                             use_gpus=ray.cluster_resources().get("GPU", 0) > 0, bind_loopback=local,
                             extra_args=tuple(shlex.split(config.node_args)), log_dir=str(log_dir))
-        pools = PoolManager(launch, {"prefill": config.prefill_nodes, "decode": config.decode_nodes},
-                            startup_timeout_s=config.startup_timeout, drain_timeout_s=config.drain_timeout)
+        pools = PoolManager(launch, {"prefill": 0, "decode": 0}, startup_timeout_s=config.startup_timeout,
+                            drain_timeout_s=config.drain_timeout)
+        try:
+            pools.scale({"prefill": config.prefill_nodes, "decode": config.decode_nodes})
+        except ValueError as e:
+            raise ServeError(str(e)) from None
         asyncio.run(_run(config, pools, model, served_model_name, registry_url, log_dir, children))
     finally:
         for child in reversed(children):

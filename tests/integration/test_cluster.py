@@ -34,16 +34,17 @@ from tests.integration.processes import ROOT, free_port
 
 pytestmark = pytest.mark.integration
 TANDEM = str(Path(sys.executable).parent / "tandem")
-NODE_ARGS = "--num-kv-blocks 256 --max-num-seqs 16 --log-level INFO"
+NODE_ARGS = "--num-kv-blocks 640 --max-num-seqs 16 --log-level INFO"
 # round robin spreads requests over both decode nodes, always disaggregated (the KV moves from P to D)
 PROXY_ARGS = "--routing round_robin"
-LONG_TOKENS = 600  # a request that is sure to be running when its node is told to leave
+LONG_TOKENS = 2000  # a request that is sure to be running when its node is told to leave
 
 
 @dataclass
 class LocalCluster:
     popen: subprocess.Popen[bytes]
     url: str
+    model: Path
     cache_dir: Path
     log_path: Path
     env: dict[str, str]
@@ -82,13 +83,13 @@ def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFacto
            "TANDEM_NODE_ARGS": NODE_ARGS, "TANDEM_PROXY_ARGS": PROXY_ARGS}
     env.pop("TANDEM_ADMIN_URL", None)
     log_path = cache_dir / "serve.log"
-    model = tiny_model("llama", max_position_embeddings=1024)
+    model = tiny_model("llama", max_position_embeddings=2048)
     command = [TANDEM, "serve", "--model", str(model), "--port", str(port), "--served-model-name", "tiny",
                "--dtype", "float32", "--drain-timeout", "30"]
     with log_path.open("wb") as log:
         popen = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
-    cluster = LocalCluster(popen, f"http://127.0.0.1:{port}", cache_dir, log_path, env)
+    cluster = LocalCluster(popen, f"http://127.0.0.1:{port}", model, cache_dir, log_path, env)
     try:
         deadline = time.monotonic() + 120
         while "Tandem is serving" not in cluster.log():
@@ -205,6 +206,9 @@ def test_status_finds_the_cluster_through_its_private_state_file(cluster: LocalC
     assert httpx.get(state["admin_url"] + "/status").status_code == 401  # the token is required
     human = cluster.cli("status")
     assert human.returncode == 0 and "decode" in human.stdout
+    too_many = cluster.cli("scale", "--decode", "50")  # this machine has room for 2 / --node-cpus nodes
+    assert too_many.returncode == 2 and "do not fit on this machine" in too_many.stderr
+    assert cluster.status()["pools"]["decode"]["desired"] == 1
 
 
 def test_decode_pool_scales_up_and_down_while_requests_stream_and_none_fails(cluster: LocalCluster) -> None:
@@ -213,23 +217,56 @@ def test_decode_pool_scales_up_and_down_while_requests_stream_and_none_fails(clu
         scaled = cluster.cli("scale", "--decode", "2")
         assert scaled.returncode == 0, scaled.stderr
         status = cluster.wait_for_pools(1, 2)
-        new_node = max((n for n in status["nodes"] if n["role"] == "decode"), key=lambda n: int(n["node_id"][7:]))
         load.wait_for(load.num_ok + 10)  # both decode nodes take requests
-        with Load(cluster.url, num_threads=4, max_tokens=LONG_TOKENS, once=True) as long:
-            deadline = time.monotonic() + 20
-            while num_running(new_node["address"]) == 0:  # it has work in hand when it is told to leave
-                assert time.monotonic() < deadline and not long.failures, long.failures
-                time.sleep(0.05)
+    new_node = max((n for n in status["nodes"] if n["role"] == "decode"), key=lambda n: int(n["node_id"][7:]))
+    # Alone, round robin sends two of the four long requests to each decode node: the node told to leave
+    # surely has requests in hand, that last long after it is told.
+    with Load(cluster.url, num_threads=4, max_tokens=LONG_TOKENS, once=True) as long:
+        deadline = time.monotonic() + 20
+        while num_running(new_node["address"]) < 2:
+            assert time.monotonic() < deadline and not long.failures, long.failures
+            time.sleep(0.05)
+        with Load(cluster.url) as load:
             assert cluster.cli("scale", "--decode", "1").returncode == 0
             cluster.wait_for_pools(1, 1, timeout=60)
-        load.wait_for(load.num_ok + 3)  # still serving after the scale-down
+            load.wait_for(load.num_ok + 3)  # still serving after the scale-down
     assert load.failures == [] and long.failures == [] and long.num_ok == 4
     remaining = {n["node_id"] for n in cluster.status()["nodes"]}
     assert new_node["node_id"] not in remaining  # the newest node was the one removed
     node_log = next((cluster.cache_dir / "logs").glob(f"serve-*/{new_node['node_id']}.log")).read_text()
     drain_line = re.search(r"draining: (\d+) RPCs in flight", node_log)
-    assert drain_line is not None and int(drain_line.group(1)) >= 1, node_log[-3000:]
+    assert drain_line is not None and int(drain_line.group(1)) >= 2, node_log[-3000:]
     assert "stopped" in node_log
+
+
+def test_a_node_that_dies_is_replaced(cluster: LocalCluster) -> None:
+    dead = next(n for n in cluster.status()["nodes"] if n["role"] == "decode")
+    os.kill(_pid_of(dead["node_id"], cluster.model), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while dead["node_id"] in {n["node_id"] for n in cluster.status()["nodes"]}:
+        assert time.monotonic() < deadline, "the dead node is still listed"
+        time.sleep(0.3)
+    cluster.wait_for_pools(1, 1)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{cluster.url}/health").status_code != 200:  # the proxy polls the registry
+        assert time.monotonic() < deadline, "the proxy does not see the new node"
+        time.sleep(0.1)
+    with Load(cluster.url, num_threads=1, once=True) as load:
+        pass
+    assert load.failures == [] and load.num_ok == 1
+
+
+def _pid_of(node_id: str, model: Path) -> int:
+    """The process of this cluster's node `node_id` (the test knows nodes by id, not by pid)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (b"--node-id" in argv and argv[argv.index(b"--node-id") + 1] == node_id.encode()
+                and str(model.resolve()).encode() in argv):
+            return int(proc.name)
+    raise LookupError(node_id)
 
 
 def test_stopping_serve_removes_the_state_file_and_every_process(cluster: LocalCluster) -> None:

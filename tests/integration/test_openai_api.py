@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,18 +390,45 @@ def test_a_saturated_cluster_gets_429_from_the_router(cluster: Cluster) -> None:
 # ---- disconnects and metrics ----
 
 def test_a_client_that_goes_away_aborts_every_choice_on_the_nodes(cluster: Cluster) -> None:
-    client = cluster.client()
     aborted_before = cluster.metric("tandem:request_success_total", finished_reason="abort")
-    with client.completions.create(model=cluster.model.name, prompt="long", max_tokens=240, n=2, temperature=0,
-                                   stream=True, extra_body={"ignore_eos": True}) as stream:
-        next(iter(stream))
+    # streaming: gone once both choices stream from D
+    num_chunks: Counter[int] = Counter()
+    with cluster.client().completions.create(model=cluster.model.name, prompt="long", max_tokens=100, n=2,
+                                             stream=True, extra_body={"ignore_eos": True}) as stream:
+        for chunk in stream:
+            num_chunks[chunk.choices[0].index] += 1
+            if min(num_chunks[0], num_chunks[1]) >= 2:
+                break
     wait_until(lambda: all_resources_free(cluster))
-    # not streaming: the proxy notices the closed connection while it waits
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "long", "max_tokens": 240, "ignore_eos": True},
-                   timeout=httpx.Timeout(10, read=0.15))
+
+    # not streaming: the proxy notices the closed connection while it waits for the tokens
+    async def leave_while_decoding() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"prompt": "long", "max_tokens": 240, "ignore_eos": True}
+            waiting = asyncio.create_task(http.post(f"{cluster.url}/v1/completions", json=body))
+            deadline = time.monotonic() + 10
+            while (await _stats(cluster.decode_address, "decode")).num_running == 0:
+                assert not waiting.done() and time.monotonic() < deadline, "the request never reached D"
+                await asyncio.sleep(0.01)
+            waiting.cancel()  # closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+
+    asyncio.run(leave_while_decoding())
     wait_until(lambda: all_resources_free(cluster))
     assert cluster.metric("tandem:request_success_total", finished_reason="abort") - aborted_before == 3
+
+
+@pytest.mark.xfail(strict=False, reason="a request cancelled inside P's Prefill RPC leaves its ticket pinned until "
+                   "the lease expires (pd.py does not abort on P), and one cancelled inside D's block reservation "
+                   "leaks its blocks (decode_node/loop.py _reserve): see the issue-4 report")
+def test_a_client_that_goes_away_during_prefill_leaks_nothing(cluster: Cluster) -> None:
+    client = cluster.client()
+    for _ in range(8):
+        with client.completions.create(model=cluster.model.name, prompt="long", max_tokens=100, n=2,
+                                       stream=True, extra_body={"ignore_eos": True}) as stream:
+            next(iter(stream))  # the other choice may still be prefilling, or reserving blocks on D
+    wait_until(lambda: all_resources_free(cluster), timeout=5)
 
 
 def test_metrics_expose_the_request_and_node_series(cluster: Cluster) -> None:

@@ -58,9 +58,16 @@ def test_the_config_file_may_come_from_the_environment(tmp_path: Path) -> None:
     assert resolve(parse("--decode-nodes", "4"), env={"TANDEM_CONFIG": path}).decode_nodes == 4
 
 
-def test_node_args_may_be_a_yaml_list(tmp_path: Path) -> None:
-    path = write_yaml(tmp_path, "node_args: ['--num-kv-blocks', 64]\n")
-    assert resolve(parse("--config", path), env={}).node_args == "--num-kv-blocks 64"
+def test_extra_flags_may_be_a_yaml_list(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "node_args: ['--num-kv-blocks', 64]\nproxy_args: [--routing, round_robin]\n")
+    config = resolve(parse("--config", path), env={})
+    assert config.node_args == "--num-kv-blocks 64" and config.proxy_args == "--routing round_robin"
+
+
+def test_a_yaml_key_without_a_value_leaves_the_setting_to_env_and_default(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "port:\ndecode_nodes:\n")
+    config = resolve(parse("--config", path), env={"TANDEM_DECODE_NODES": "2"})
+    assert config.port == 8000 and config.decode_nodes == 2
 
 
 @pytest.mark.parametrize(("text", "message"), [
