@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.async_engine import AsyncEngine, EngineDead, TokenEvent
+from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd, TokenEvent
 from engine.llm_engine import LLMEngine, PromptBlocks
 from engine.request import Request
 from engine.sampler import SampledToken
@@ -145,7 +145,7 @@ class DecodeLoop:
         finally:
             await self._forget(request_id)
 
-    async def _stream(self, request: Request, events: asyncio.Queue[TokenEvent | EngineDead],
+    async def _stream(self, request: Request, events: asyncio.Queue[TokenEvent | StreamEnd],
                       deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
         finished = False
         while not finished:
@@ -154,7 +154,9 @@ class DecodeLoop:
                 event = await asyncio.wait_for(events.get(), timeout)
             except TimeoutError as e:
                 raise DecodeError("DEADLINE_EXCEEDED", f"request {request.request_id} passed its deadline") from e
-            if isinstance(event, EngineDead):
+            if isinstance(event, RequestAborted):
+                raise DecodeError("CANCELLED", str(event))
+            if isinstance(event, StreamEnd):
                 raise DecodeError("INTERNAL", str(event))
             finished = event.finish_reason is not None
             stop_id = event.stop_reason if isinstance(event.stop_reason, int) else None
@@ -187,7 +189,12 @@ class DecodeLoop:
             raise DecodeError("INVALID_ARGUMENT", str(e)) from e
         last_extension = time.monotonic()
         while True:
-            blocks = await self.engine.call(lambda e: e.reserve_prompt_blocks(request))
+            try:
+                blocks = await self.engine.call(lambda e: e.reserve_prompt_blocks(request))
+            except asyncio.CancelledError:
+                # the reservation still runs on the engine thread; this free queues behind it and undoes it
+                await asyncio.shield(self.engine.call(lambda e: e.kv.free(request)))
+                raise
             if blocks is not None:
                 return request, blocks
             if deadline is not None and time.time() >= deadline:
@@ -239,12 +246,7 @@ class DecodeLoop:
         return [b for b, checksum in zip(local, expected, strict=True) if kv_checksum(self.region, [b]) != checksum]
 
     async def abort(self, request_id: str) -> bool:
-        def abort(engine: LLMEngine) -> bool:
-            found = request_id in engine.requests
-            engine.abort(request_id)
-            return found
-
-        return await self.engine.call(abort)
+        return await self.engine.call(lambda e: self.engine.abort(e, request_id))
 
 
 def _stop_token(request: Request) -> int | None:

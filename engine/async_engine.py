@@ -32,8 +32,16 @@ class TokenEvent:
     stop_reason: int | str | None
 
 
-class EngineDead(Exception):
+class StreamEnd(Exception):
+    """Ends a request's token stream without a finishing token."""
+
+
+class EngineDead(StreamEnd):
     """Sent to every open stream when the engine thread dies."""
+
+
+class RequestAborted(StreamEnd):
+    """Sent to a request's stream when it is aborted (so whoever waits for its tokens stops waiting)."""
 
 
 class AsyncEngine:
@@ -41,7 +49,7 @@ class AsyncEngine:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenEvent | EngineDead]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenEvent | StreamEnd]]] = {}
         self._tickers: list[Callable[[LLMEngine], None]] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -81,22 +89,29 @@ class AsyncEngine:
         self._commands.put(run)
         return await future
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[TokenEvent | EngineDead]:
-        """A queue that receives the request's tokens (or EngineDead if the engine thread dies, so no
-        request waits for tokens that will never come). Open it before the request is added."""
-        events: asyncio.Queue[TokenEvent | EngineDead] = asyncio.Queue()
+    def open_stream(self, request_id: str) -> asyncio.Queue[TokenEvent | StreamEnd]:
+        """A queue that receives the request's tokens, or a StreamEnd (aborted, engine dead) so that nobody
+        waits for tokens that will never come. Open it before the request is added."""
+        events: asyncio.Queue[TokenEvent | StreamEnd] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), events)
         return events
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def publish(self, request_id: str, event: TokenEvent | EngineDead) -> None:
+    def publish(self, request_id: str, event: TokenEvent | StreamEnd) -> None:
         """Sends an event to a request's stream (from the engine thread)."""
         target = self._streams.get(request_id)
         if target is not None:
             loop, events = target
             loop.call_soon_threadsafe(events.put_nowait, event)
+
+    def abort(self, engine: LLMEngine, request_id: str) -> bool:
+        """On the engine thread: aborts a request (freeing its blocks) and ends its stream. Whether it existed."""
+        found = request_id in engine.requests
+        engine.abort(request_id)
+        self.publish(request_id, RequestAborted(f"request {request_id} was aborted"))
+        return found
 
     def _run(self) -> None:
         try:

@@ -128,6 +128,7 @@ class LLMEngine:
         num_cached = len(cached) * self.kv.block_size
         if not self.kv.allocate(request, request.num_prompt_tokens - num_cached, cached):
             return None
+        self.kv.record_lookup(request.num_prompt_tokens, num_cached)
         request.num_prompt_cached_tokens = num_cached
         return PromptBlocks(list(request.block_ids), num_cached)
 

@@ -74,11 +74,15 @@ class Scheduler:
         # While anything was preempted, admitting new work would only steal the blocks back.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            # a request that arrives with computed tokens (a decode node's pulled prompt) needs no lookup
+            looked_up = request.num_computed_tokens == 0
+            cached = self.kv.find_cached_prefix(request) if looked_up else []
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break
+            if looked_up:
+                self.kv.record_lookup(request.num_tokens, len(cached) * self.kv.block_size)
             if request.status == RequestStatus.WAITING and cached:
                 request.num_prompt_cached_tokens = len(cached) * self.kv.block_size
             self.waiting.popleft()

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.async_engine import AsyncEngine, EngineDead, TokenEvent
+from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd, TokenEvent
 from engine.llm_engine import LLMEngine
 from engine.types import FinishReason, SamplingParams
 from kvtransfer.ticket import KVTicket
@@ -95,7 +95,9 @@ class PrefillLoop:
             raise PrefillError("DEADLINE_EXCEEDED", f"request {request_id} passed its deadline in prefill") from e
         finally:
             self.engine.close_stream(request_id)
-        if isinstance(first, EngineDead):
+        if isinstance(first, RequestAborted):
+            raise PrefillError("CANCELLED", str(first))
+        if isinstance(first, StreamEnd):
             raise PrefillError("INTERNAL", str(first))
 
         num_cached = request.num_prompt_cached_tokens
@@ -109,6 +111,8 @@ class PrefillLoop:
                              num_cached)
 
     def _lease(self, engine: LLMEngine, ticket_id: str, request_id: str) -> KVTicket:
+        if request_id not in engine.requests:  # aborted between its first token and now: blocks already freed
+            raise PrefillError("CANCELLED", f"request {request_id} was aborted")
         deadline = time.time() + self.lease_s
         ticket = self._make_ticket(engine, ticket_id, request_id, deadline)
         self._leases[ticket_id] = Lease(ticket_id, request_id, deadline)
@@ -146,9 +150,7 @@ class PrefillLoop:
             for ticket_id, lease in list(self._leases.items()):
                 if lease.request_id == request_id:
                     del self._leases[ticket_id]
-            found = request_id in engine.requests
-            engine.abort(request_id)
-            return found
+            return self.engine.abort(engine, request_id)
 
         return await self.engine.call(abort)
 

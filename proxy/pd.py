@@ -129,14 +129,15 @@ class PDPipeline:
                 logger.warning("request %s: %s; prefilling on %s instead", request_id, e, other.node_id)
                 await _pause_if_same(prefill, other, retries)
                 prefill = other
-        first_logprobs = [prefilled.first_logprobs] if prefilled.first_logprobs else []
-        yield TokenChunk([prefilled.first_token], first_logprobs, prefilled.finish_reason,
-                         num_cached_tokens=prefilled.num_cached_tokens)
-        if prefilled.finish_reason is not None or prefilled.ticket is None:
-            return
         holder = prefill  # the prefill node holding prefilled.ticket
-        finished = False
+        finished = prefilled.finish_reason is not None or prefilled.ticket is None
         try:
+            # inside the try: a client gone right after the first token still releases the ticket
+            first_logprobs = [prefilled.first_logprobs] if prefilled.first_logprobs else []
+            yield TokenChunk([prefilled.first_token], first_logprobs, prefilled.finish_reason,
+                             num_cached_tokens=prefilled.num_cached_tokens)
+            if finished:
+                return
             while True:
                 started = False
                 try:
@@ -152,6 +153,7 @@ class PDPipeline:
                         raise
                     retries += 1
                     # the ticket is spent or stale: give it back, prefill again for a fresh one
+                    assert prefilled.ticket is not None, "an unfinished prefill hands out a ticket"
                     await self.directory.prefill_client(holder).release(prefilled.ticket)
                     if e.code == grpc.StatusCode.UNAVAILABLE:  # D itself is unreachable
                         other_decode = self.router.another_decode({decode.address}) or decode
@@ -176,8 +178,14 @@ class PDPipeline:
 
     async def _prefill(self, node: NodeState, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float) -> Prefilled:
+        client = self.directory.prefill_client(node)
         with self.router.prefilling(node, len(prompt_token_ids)):
-            return await self.directory.prefill_client(node).prefill(request_id, prompt_token_ids, params, deadline)
+            try:
+                return await client.prefill(request_id, prompt_token_ids, params, deadline)
+            except asyncio.CancelledError:
+                # the client went away mid-prefill: P may already hold (or be about to pin) blocks for it
+                await asyncio.shield(client.abort(request_id))
+                raise
 
 
 async def _pause_if_same(failed: NodeState, chosen: NodeState, retries: int) -> None:

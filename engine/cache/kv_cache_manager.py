@@ -50,9 +50,14 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.num_queried_tokens += request.num_tokens
-        self.num_hit_tokens += len(hits) * self.block_size
         return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counts a prefix-cache lookup whose request was admitted (a lookup retried while the pool is full
+        counts once, when it succeeds)."""
+        if self.enable_prefix_caching:
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
 
     def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
         """Makes request.block_ids cover num_computed_tokens + num_new_tokens (cached blocks first).

@@ -442,9 +442,6 @@ def test_metrics_expose_the_request_and_node_series(cluster: Cluster) -> None:
     assert 0 <= cluster.metric("tandem:kv_cache_usage_perc", role="decode") <= 1
 
 
-@pytest.mark.xfail(strict=False, reason="a request cancelled inside P's Prefill RPC leaves its ticket pinned until "
-                   "the lease expires (pd.py does not abort on P), and one cancelled inside D's block reservation "
-                   "leaks its blocks (decode_node/loop.py _reserve): see the issue-4 report")
 def test_a_client_that_goes_away_during_prefill_leaks_nothing(cluster: Cluster) -> None:
     client = cluster.client()
     for _ in range(8):

@@ -62,3 +62,12 @@ def test_finish_returns_blocks() -> None:
     (a,) = s.running
     s.finish(a)
     assert s.kv.num_free_blocks == 16 and not s.has_unfinished()
+
+
+def test_a_lookup_retried_while_the_pool_is_full_counts_once() -> None:
+    s = make(num_blocks=3, budget=100)
+    s.add(request(8, "a"))  # 2 blocks, a third once it grows past 8 tokens
+    s.add(request(8, "b"))  # needs 2 blocks: waits
+    for _ in range(3):
+        assert [name for name, _ in run_step(s)] == ["a"]  # "b" is looked up again each step, never admitted
+    assert s.kv.num_queried_tokens == 8
