@@ -88,6 +88,8 @@ class DecodeLoop:
         self.corrupt_transfers = corrupt_transfers  # test hook: flips a byte of every pulled block
         self.num_transfer_failures = 0
         self.num_transferred_bytes = 0
+        self.num_transfers = 0
+        self.transfer_seconds = 0.0
         self._background: set[asyncio.Future[bool]] = set()  # release calls in flight (kept referenced)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -213,6 +215,7 @@ class DecodeLoop:
         expected = ticket.block_checksums[skip:]
         if not remote:
             return
+        pull_started = time.perf_counter()
 
         def start(_: LLMEngine) -> TransferHandle:
             peer = self.connector.add_peer(ticket.transfer_endpoint)
@@ -237,6 +240,8 @@ class DecodeLoop:
             raise DecodeError("DATA_LOSS", f"KV checksum mismatch in {len(bad)} of {len(local)} pulled blocks of "
                                            f"ticket {ticket.ticket_id}", retryable=True)
         self.num_transferred_bytes += len(local) * self.region.block_bytes
+        self.num_transfers += 1
+        self.transfer_seconds += time.perf_counter() - pull_started
 
     def _verify(self, local: list[int], expected: tuple[str, ...]) -> list[int]:
         if self.corrupt_transfers:

@@ -87,6 +87,8 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                 free_kv_blocks=load.free_kv_blocks, total_kv_blocks=engine.kv.num_blocks,
                 num_running=load.num_running, num_waiting=load.num_waiting,
                 num_transfer_failures=self.loop.num_transfer_failures,
+                kv_transfer_bytes=self.loop.num_transferred_bytes, kv_transfer_count=self.loop.num_transfers,
+                kv_transfer_seconds_sum=self.loop.transfer_seconds,
                 prefix_cache_queries=engine.kv.num_queried_tokens, prefix_cache_hits=engine.kv.num_hit_tokens,
                 max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens,
                 num_queued_prefill_tokens=load.num_queued_prefill_tokens)

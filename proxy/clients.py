@@ -66,6 +66,9 @@ class StatsReport:
     max_num_seqs: int
     max_num_batched_tokens: int
     num_queued_prefill_tokens: int
+    kv_transfer_bytes: int = 0
+    kv_transfer_count: int = 0
+    kv_transfer_seconds_sum: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,8 @@ class NodeClient:
         r = await self.stub.Stats(pb.StatsRequest(), timeout=timeout)
         return StatsReport(r.free_kv_blocks, r.total_kv_blocks, r.num_running, r.num_waiting, r.num_pinned_tickets,
                            r.num_leases_expired, r.num_transfer_failures, r.prefix_cache_queries,
-                           r.prefix_cache_hits, r.max_num_seqs, r.max_num_batched_tokens, r.num_queued_prefill_tokens)
+                           r.prefix_cache_hits, r.max_num_seqs, r.max_num_batched_tokens, r.num_queued_prefill_tokens,
+                           r.kv_transfer_bytes, r.kv_transfer_count, r.kv_transfer_seconds_sum)
 
     async def status(self, timeout: float = 2.0) -> NodeStatus:
         """Health and Stats together. Raises grpc.aio.AioRpcError when the node does not answer."""

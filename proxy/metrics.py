@@ -24,7 +24,7 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ class NodeStats:
     num_transfer_failures: int | None = None
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    kv_transfer_bytes: int | None = None
+    kv_transfer_count: int | None = None
+    kv_transfer_seconds_sum: float | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,10 @@ class ClusterCollector:
                                       "expired before a decode node released them.", labels=labels)
         failures = CounterMetricFamily("tandem:kv_transfer_failures", "KV transfers that failed or were corrupt.",
                                        labels=labels)
+        transfer_bytes = CounterMetricFamily("tandem:kv_transfer_bytes", "KV bytes decode nodes pulled.",
+                                             labels=labels)
+        transfer_seconds = SummaryMetricFamily("tandem:kv_transfer_seconds", "KV pulls, from the READ to the "
+                                               "verified checksums.", labels=labels)
         for node in self.nodes:
             values = [m, node.node_id, node.role]
             up.add_metric(values, 1 if node.up else 0)
@@ -193,7 +200,11 @@ class ClusterCollector:
                                   (failures, s.num_transfer_failures if node.role == "decode" else None)):
                 if value is not None:
                     family.add_metric(values, value)
-        yield from (up, usage, waiting, running, queries, hits, expired, failures)
+            if node.role == "decode" and s.kv_transfer_count is not None and s.kv_transfer_seconds_sum is not None:
+                transfer_bytes.add_metric(values, s.kv_transfer_bytes or 0)
+                transfer_seconds.add_metric(values, count_value=s.kv_transfer_count,
+                                            sum_value=s.kv_transfer_seconds_sum)
+        yield from (up, usage, waiting, running, queries, hits, expired, failures, transfer_bytes, transfer_seconds)
 
 
 # ---- what the nodes say ----
@@ -213,7 +224,9 @@ def _stats_of(load: Any, capacity: Any = None, counters: Any = None) -> NodeStat
                      num_running=field("num_running"), num_waiting=field("num_waiting"),
                      num_leases_expired=field("num_leases_expired"),
                      num_transfer_failures=field("num_transfer_failures"),
-                     prefix_cache_queries=field("prefix_cache_queries"), prefix_cache_hits=field("prefix_cache_hits"))
+                     prefix_cache_queries=field("prefix_cache_queries"), prefix_cache_hits=field("prefix_cache_hits"),
+                     kv_transfer_bytes=field("kv_transfer_bytes"), kv_transfer_count=field("kv_transfer_count"),
+                     kv_transfer_seconds_sum=getattr(counters, "kv_transfer_seconds_sum", None))
 
 
 async def _ask(call: Any) -> Any:

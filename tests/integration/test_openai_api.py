@@ -428,7 +428,7 @@ def test_metrics_expose_the_request_and_node_series(cluster: Cluster) -> None:
                  "tandem:generation_tokens_total", "tandem:num_requests_running", "tandem:pd_decisions_total",
                  "tandem:kv_cache_usage_perc", "tandem:prefix_cache_queries_total", "tandem:prefix_cache_hits_total",
                  "tandem:kv_transfer_failures_total", "tandem:prefill_leases_expired_total",
-                 "tandem:num_requests_waiting"):
+                 "tandem:num_requests_waiting", "tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds"):
         assert f"# TYPE {name} " in text, name
     model = {"model_name": cluster.model.name}
     assert cluster.metric("tandem:time_to_first_token_seconds_count", **model) >= 1
@@ -440,6 +440,9 @@ def test_metrics_expose_the_request_and_node_series(cluster: Cluster) -> None:
     assert cluster.metric("tandem:pd_decisions_total", mode="colocated", **model) == 0  # --colocate-max-tokens 0
     assert cluster.metric("tandem:prefix_cache_queries_total", role="prefill") >= 3
     assert 0 <= cluster.metric("tandem:kv_cache_usage_perc", role="decode") <= 1
+    # the disaggregated requests pulled their prompts' blocks
+    assert cluster.metric("tandem:kv_transfer_seconds_count", role="decode") >= 1
+    assert cluster.metric("tandem:kv_transfer_bytes_total", role="decode") > 0
 
 
 def test_a_client_that_goes_away_during_prefill_leaks_nothing(cluster: Cluster) -> None:
