@@ -105,8 +105,10 @@ def main() -> None:
     rng = random.Random(0)
     # distinct prompts: no prefix-cache hit on either side
     prompts = [[rng.randrange(10, 1000) for _ in range(args.prompt_len)] for _ in range(args.runs + 2)]
-    nodes = [start("prefill", args), start("decode", args)]
+    nodes: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
+        nodes.append(start("prefill", args))
+        nodes.append(start("decode", args))
         ttft, second = asyncio.run(handoff(nodes[0][1], nodes[1][1], prompts))
     finally:
         for process, _ in nodes:
