@@ -44,11 +44,12 @@ def start(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes],
          "--kv-backend", args.backend, "--log-level", os.environ.get("TANDEM_LOG_LEVEL", "WARNING"),
          "--max-num-batched-tokens", "4096"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert process.stdout is not None
-    for line in process.stdout:
+    stdout = process.stdout
+    assert stdout is not None
+    for line in stdout:
         if line.startswith(b"READY"):
             if os.environ.get("TANDEM_LOG_LEVEL"):  # keep the node's log visible
-                threading.Thread(target=lambda: [sys.stderr.write(x.decode()) for x in process.stdout],
+                threading.Thread(target=lambda: [sys.stderr.write(x.decode()) for x in stdout],
                                  daemon=True).start()
             return process, f"127.0.0.1:{port}"
     raise RuntimeError(f"{role} node did not start")
