@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 from decode_node.clients import PrefillLeaseClient
@@ -13,8 +12,8 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from node_common.kv import kv_layout, open_connector
 from node_common.options import add_node_args, engine_config, node_id
-from node_common.registry import NodeIdentity, Role, advertised_address, registration
-from node_common.server import serve, setup_logging
+from node_common.registry import NodeIdentity, Role, advertised_address
+from node_common.server import run_node, setup_logging
 from protos import tandem_pb2_grpc
 
 
@@ -36,14 +35,8 @@ def main() -> None:
     identity = NodeIdentity(name, Role.DECODE, advertised_address(args), args.model, layout_hash, args.kv_backend,
                             args.hash_seed)
 
-    async def run() -> None:
-        async with registration(args, async_engine, identity) as registrar:
-            # on SIGTERM the node is marked draining in the registry first, so the proxy stops choosing it
-            await serve(async_engine, lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(
-                service, server), args.host, args.port, connector.close,
-                on_drain=registrar.set_draining if registrar is not None else None)
-
-    asyncio.run(run())
+    run_node(args, async_engine, identity,
+             lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(service, server), connector.close)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from engine.async_engine import AsyncEngine
+from node_common.registry import NodeIdentity, registration
 
 logger = logging.getLogger(__name__)
 
@@ -152,3 +153,16 @@ async def _engine_idle(engine: AsyncEngine) -> bool:
     if not engine.healthy:
         return True  # a dead engine finishes nothing: waiting longer helps no one
     return await engine.call(lambda e: not e.requests)
+
+
+def run_node(args: Any, engine: AsyncEngine, identity: NodeIdentity,
+             add_services: Callable[[grpc.aio.Server], None], on_stop: Callable[[], None]) -> None:
+    """Serves a node until SIGTERM/SIGINT, registered in the cluster registry when `--registry` is given."""
+
+    async def run() -> None:
+        async with registration(args, engine, identity) as registrar:
+            # on SIGTERM the node is marked draining in the registry first, so the proxy stops choosing it
+            await serve(engine, add_services, args.host, args.port, on_stop,
+                        on_drain=registrar.set_draining if registrar is not None else None)
+
+    asyncio.run(run())
