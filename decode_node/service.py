@@ -11,10 +11,9 @@ from decode_node.loop import DecodeError, DecodeLoop, IncomingKV
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kvtransfer import InvalidTicketError, KVTicket
-from node_common.registry import engine_load
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from protos.convert import logprobs_from_proto, logprobs_to_proto, params_from_proto
+from protos.convert import engine_stats, logprobs_from_proto, logprobs_to_proto, params_from_proto
 
 # Tells the proxy a retry (prefill again, maybe elsewhere) may succeed.
 RETRYABLE_KEY = "tandem-retryable"
@@ -82,15 +81,11 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         def stats(engine: LLMEngine) -> pb.StatsResponse:
-            load = engine_load(engine)
-            return pb.StatsResponse(
-                free_kv_blocks=load.free_kv_blocks, total_kv_blocks=engine.kv.num_blocks,
-                num_running=load.num_running, num_waiting=load.num_waiting,
-                num_transfer_failures=self.loop.num_transfer_failures,
-                kv_transfer_bytes=self.loop.num_transferred_bytes, kv_transfer_count=self.loop.num_transfers,
-                kv_transfer_seconds_sum=self.loop.transfer_seconds,
-                prefix_cache_queries=engine.kv.num_queried_tokens, prefix_cache_hits=engine.kv.num_hit_tokens,
-                max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                num_queued_prefill_tokens=load.num_queued_prefill_tokens)
+            response = engine_stats(engine)
+            response.num_transfer_failures = self.loop.num_transfer_failures
+            response.kv_transfer_bytes = self.loop.num_transferred_bytes
+            response.kv_transfer_count = self.loop.num_transfers
+            response.kv_transfer_seconds_sum = self.loop.transfer_seconds
+            return response
 
         return await self.engine.call(stats)

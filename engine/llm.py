@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.request import Request
 from engine.types import CompletionOutput, RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -37,7 +38,7 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
 
         engine = self.engine
-        groups: list[tuple[RequestOutput, list[str]]] = []
+        groups: list[tuple[RequestOutput, list[Request]]] = []
         pending = []
         for prompt, params in zip(prompt_list, params_list, strict=True):
             parent = str(next(self._ids))
@@ -45,7 +46,7 @@ class LLM:
                         for i in range(params.n)]
             out = RequestOutput(parent, prompt if isinstance(prompt, str) else None,
                                 children[0].prompt_token_ids)
-            groups.append((out, [c.request_id for c in children]))
+            groups.append((out, children))
             pending.extend(children)
         for request in pending:
             engine.submit(request)
@@ -53,12 +54,11 @@ class LLM:
         while engine.has_unfinished():
             engine.step()
 
-        for out, child_ids in groups:
-            out.outputs = [self._collect(child_id, index) for index, child_id in enumerate(child_ids)]
-            out.num_cached_tokens = engine.requests[child_ids[0]].num_prompt_cached_tokens \
-                if child_ids[0] in engine.requests else 0
-            for child_id in child_ids:
-                engine.release(child_id)
+        for out, children in groups:
+            out.outputs = [self._collect(child.request_id, index) for index, child in enumerate(children)]
+            out.num_cached_tokens = children[0].num_prompt_cached_tokens
+            for child in children:
+                engine.release(child.request_id)
         return [out for out, _ in groups]
 
     def _collect(self, request_id: str, index: int) -> CompletionOutput:

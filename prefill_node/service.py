@@ -10,11 +10,10 @@ import grpc
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from kvtransfer.ticket import KVTicket
-from node_common.registry import engine_load
 from prefill_node.loop import PrefillError, PrefillLoop
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from protos.convert import logprobs_to_proto, params_from_proto
+from protos.convert import engine_stats, logprobs_to_proto, params_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +77,9 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         def stats(engine: LLMEngine) -> pb.StatsResponse:
-            load = engine_load(engine)
-            return pb.StatsResponse(
-                free_kv_blocks=load.free_kv_blocks, total_kv_blocks=engine.kv.num_blocks,
-                num_running=load.num_running, num_waiting=load.num_waiting,
-                num_pinned_tickets=self.loop.num_pinned, num_leases_expired=self.loop.num_leases_expired,
-                prefix_cache_queries=engine.kv.num_queried_tokens, prefix_cache_hits=engine.kv.num_hit_tokens,
-                max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                num_queued_prefill_tokens=load.num_queued_prefill_tokens)
+            response = engine_stats(engine)
+            response.num_pinned_tickets = self.loop.num_pinned
+            response.num_leases_expired = self.loop.num_leases_expired
+            return response
 
         return await self.engine.call(stats)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.types import Logprob, PositionLogprobs, SamplingParams
+from node_common.registry import engine_load
 from protos import tandem_pb2 as pb
+
+if TYPE_CHECKING:  # the proxy imports this module and must not pull in torch
+    from engine.llm_engine import LLMEngine
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -43,3 +49,14 @@ def logprobs_from_proto(msg: pb.PositionLogprobs) -> PositionLogprobs | None:
     if not msg.entries:
         return None
     return {e.token_id: Logprob(e.logprob, e.rank) for e in msg.entries}
+
+
+def engine_stats(engine: LLMEngine) -> pb.StatsResponse:
+    """The Stats fields every node reports (call on the engine thread); each role adds its own counters."""
+    load = engine_load(engine)
+    return pb.StatsResponse(
+        free_kv_blocks=load.free_kv_blocks, total_kv_blocks=engine.kv.num_blocks,
+        num_running=load.num_running, num_waiting=load.num_waiting,
+        prefix_cache_queries=engine.kv.num_queried_tokens, prefix_cache_hits=engine.kv.num_hit_tokens,
+        max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        num_queued_prefill_tokens=load.num_queued_prefill_tokens)
