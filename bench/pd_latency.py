@@ -91,7 +91,6 @@ def colocated(args: argparse.Namespace, prompts: list[list[int]]) -> list[float]
         while request.num_output_tokens < 2:
             engine.step()
         second.append(time.perf_counter() - t1)
-        engine.release(f"c{i}")
     return second
 
 

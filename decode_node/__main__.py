@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from decode_node.clients import PrefillLeaseClient
 from decode_node.loop import DecodeLoop
@@ -27,10 +26,8 @@ def main() -> None:
     connector, region, _ = open_connector(engine, args.kv_backend, args.host, name)
     async_engine = AsyncEngine(engine)
     async_engine.add_ticker(lambda _: connector.progress())
-    # test hook: flip a byte of every pulled block, to prove the checksum catches corruption
-    corrupt = os.environ.get("TANDEM_TEST_CORRUPT_KV") == "1"
     layout_hash = kv_layout(engine).layout_hash
-    loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient(), corrupt_transfers=corrupt)
+    loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient())
     service = DecodeService(loop, async_engine, name, args.model, args.kv_backend)
     identity = NodeIdentity(name, Role.DECODE, advertised_address(args), args.model, layout_hash, args.kv_backend,
                             args.hash_seed)

@@ -4,13 +4,14 @@ A request's life on a decode node (D):
 1. `Generate` arrives with a KV ticket and the first token. The ticket must match this node's KV layout.
 2. D asks the prefill node (P) to extend the ticket's lease: a ticket that is not live there (released,
    expired, or from an earlier incarnation of P) is refused at once, so D never reads stale blocks.
-3. D reserves blocks for the prompt, reusing its own prefix-cache hits; when the pool is full it waits,
-   extending the lease, until blocks free up or the deadline passes.
+3. D reserves blocks for the prompt, reusing its own prefix-cache hits (the request is
+   WAITING_FOR_REMOTE_KV in the engine: see engine/request.py); when the pool is full it waits, extending
+   the lease, until blocks free up or the deadline passes.
 4. D pulls the blocks it lacks with one READ (runs of consecutive ids become single descriptors), polled
-   from the engine thread, and verifies each pulled block's checksum. A failed or corrupt transfer frees
-   the blocks and ends the request with a retryable error: never a success with wrong KV.
-5. D releases the ticket on P and admits the request with num_computed_tokens = len(prompt) and the first
-   token appended: from here it is batched like any other request, and its tokens stream back.
+   from the engine thread, and verifies each pulled block's checksum. A failed or corrupt transfer aborts
+   the request (freeing the blocks) with a retryable error: never a success with wrong KV.
+5. D releases the ticket on P and admits the request (`admit_remote_kv`: num_computed_tokens = len(prompt),
+   the first token appended): from here it is batched like any other request, and its tokens stream back.
 6. A client that goes away, or a deadline that passes, aborts the request and frees its blocks.
 
 A `Generate` without a ticket is a colocated request (the proxy judged prefilling here cheaper than a
@@ -28,11 +29,12 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd, TokenEvent
-from engine.llm_engine import LLMEngine, PromptBlocks
+from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd
+from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampler import SampledToken
-from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from engine.scheduler import ReservedBlocks
+from engine.types import FinishReason, PositionLogprobs, SamplingParams, StepOutput
 from kvtransfer import KVRegion, KVTicket, TransferError, TransferStatus
 from kvtransfer.base import Connector, TransferHandle
 from kvtransfer.ticket import kv_checksum
@@ -79,13 +81,12 @@ class LeaseClient(Protocol):
 
 class DecodeLoop:
     def __init__(self, engine: AsyncEngine, connector: Connector, region: KVRegion, layout_hash: str,
-                 leases: LeaseClient, corrupt_transfers: bool = False) -> None:
+                 leases: LeaseClient) -> None:
         self.engine = engine
         self.connector = connector
         self.region = region
         self.layout_hash = layout_hash
         self.leases = leases
-        self.corrupt_transfers = corrupt_transfers  # test hook: flips a byte of every pulled block
         self.num_transfer_failures = 0
         self.num_transferred_bytes = 0
         self.num_transfers = 0
@@ -107,9 +108,9 @@ class DecodeLoop:
         request, blocks = await self._reserve(request_id, prompt_token_ids, params, incoming, deadline)
         reserved = time.perf_counter()
         try:
-            await self._pull(request, blocks, ticket, deadline)
+            await self._pull(blocks, ticket, deadline)
         except BaseException:
-            await self.engine.call(lambda e: e.kv.free(request))
+            await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
             raise
         logger.debug("request %s: lease %.1f ms, reserve %.1f ms, pull+verify %.1f ms", request_id,
                      (leased - started) * 1e3, (reserved - leased) * 1e3, (time.perf_counter() - reserved) * 1e3)
@@ -121,8 +122,12 @@ class DecodeLoop:
         events = self.engine.open_stream(request_id)
         try:
             first = SampledToken(first_token, first_logprobs)
-            if await self.engine.call(lambda e: e.admit_prefilled(request, first)):
-                yield DecodeOutput([], [], request.finish_reason, _stop_token(request))
+            try:
+                admitted = await self.engine.call(lambda e: e.admit_remote_kv(request_id, first))
+            except ValueError as e:
+                raise DecodeError("CANCELLED", str(e)) from e
+            if admitted.finished:
+                yield DecodeOutput([], [], admitted.finish_reason, admitted.stop_reason)
                 return
             async for out in self._stream(request, events, deadline):
                 yield out
@@ -147,7 +152,7 @@ class DecodeLoop:
         finally:
             await self._forget(request_id)
 
-    async def _stream(self, request: Request, events: asyncio.Queue[TokenEvent | StreamEnd],
+    async def _stream(self, request: Request, events: asyncio.Queue[StepOutput | StreamEnd],
                       deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
         finished = False
         while not finished:
@@ -160,10 +165,9 @@ class DecodeLoop:
                 raise DecodeError("CANCELLED", str(event))
             if isinstance(event, StreamEnd):
                 raise DecodeError("INTERNAL", str(event))
-            finished = event.finish_reason is not None
-            stop_id = event.stop_reason if isinstance(event.stop_reason, int) else None
+            finished = event.finished
             yield DecodeOutput([event.token_id], [event.logprobs] if event.logprobs else [], event.finish_reason,
-                               stop_id)
+                               event.stop_reason)
 
     async def _forget(self, request_id: str) -> None:
         self.engine.close_stream(request_id)
@@ -171,12 +175,12 @@ class DecodeLoop:
         await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
 
     async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       incoming: IncomingKV, deadline: float | None) -> tuple[Request, PromptBlocks]:
+                       incoming: IncomingKV, deadline: float | None) -> tuple[Request, ReservedBlocks]:
         ticket = incoming.ticket
 
         def make(engine: LLMEngine) -> Request:
             request = engine.make_request(request_id, prompt_token_ids, params)
-            expected = engine.kv.blocks_needed(len(prompt_token_ids))
+            expected = -(-len(prompt_token_ids) // engine.block_size)
             if ticket.num_tokens != len(prompt_token_ids) or len(ticket.block_ids) != expected:
                 raise ValueError(f"ticket {ticket.ticket_id} covers {ticket.num_tokens} tokens in "
                                  f"{len(ticket.block_ids)} blocks; the prompt has {len(prompt_token_ids)} tokens "
@@ -192,10 +196,10 @@ class DecodeLoop:
         last_extension = time.monotonic()
         while True:
             try:
-                blocks = await self.engine.call(lambda e: e.reserve_prompt_blocks(request))
+                blocks = await self.engine.call(lambda e: e.reserve_remote_kv(request))
             except asyncio.CancelledError:
-                # the reservation still runs on the engine thread; this free queues behind it and undoes it
-                await asyncio.shield(self.engine.call(lambda e: e.kv.free(request)))
+                # the reservation still runs on the engine thread; this abort queues behind it and undoes it
+                await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
                 raise
             if blocks is not None:
                 return request, blocks
@@ -208,9 +212,8 @@ class DecodeLoop:
                 last_extension = time.monotonic()
             await asyncio.sleep(0.01)
 
-    async def _pull(self, request: Request, blocks: PromptBlocks, ticket: KVTicket, deadline: float | None) -> None:
-        block_size = self.engine.engine.config.block_size
-        skip = blocks.num_cached_tokens // block_size  # our own prefix hits need no transfer
+    async def _pull(self, blocks: ReservedBlocks, ticket: KVTicket, deadline: float | None) -> None:
+        skip = blocks.num_cached_blocks  # our own prefix hits need no transfer
         remote, local = list(ticket.block_ids[skip:]), blocks.block_ids[skip:]
         expected = ticket.block_checksums[skip:]
         if not remote:
@@ -244,15 +247,8 @@ class DecodeLoop:
         self.transfer_seconds += time.perf_counter() - pull_started
 
     def _verify(self, local: list[int], expected: tuple[str, ...]) -> list[int]:
-        if self.corrupt_transfers:
-            kv = self.engine.engine.runner.kv_cache
-            for block_id in local:
-                kv[block_id].view(-1)[0] += 1
         return [b for b, checksum in zip(local, expected, strict=True) if kv_checksum(self.region, [b]) != checksum]
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.call(lambda e: self.engine.abort(e, request_id))
 
-
-def _stop_token(request: Request) -> int | None:
-    return request.stop_reason if isinstance(request.stop_reason, int) else None

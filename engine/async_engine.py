@@ -2,7 +2,7 @@
 
 The engine is not thread-safe: everything that touches it runs on the engine thread, either as a command
 (`await call(fn)`, fn gets the engine) or as a ticker (run every loop iteration, for lease expiry and
-transfer polling). Tokens reach asyncio through one queue per request.
+transfer polling). Tokens reach asyncio through one queue per request, as the engine's StepOutputs.
 """
 
 from __future__ import annotations
@@ -12,24 +12,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
-from engine.types import FinishReason, PositionLogprobs
+from engine.types import StepOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """A token appended to a request, with what finished it, if anything."""
-
-    token_id: int
-    logprobs: PositionLogprobs | None
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None
 
 
 class StreamEnd(Exception):
@@ -49,7 +38,7 @@ class AsyncEngine:
         self.engine = engine
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenEvent | StreamEnd]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StepOutput | StreamEnd]]] = {}
         self._tickers: list[Callable[[LLMEngine], None]] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -89,17 +78,17 @@ class AsyncEngine:
         self._commands.put(run)
         return await future
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[TokenEvent | StreamEnd]:
+    def open_stream(self, request_id: str) -> asyncio.Queue[StepOutput | StreamEnd]:
         """A queue that receives the request's tokens, or a StreamEnd (aborted, engine dead) so that nobody
         waits for tokens that will never come. Open it before the request is added."""
-        events: asyncio.Queue[TokenEvent | StreamEnd] = asyncio.Queue()
+        events: asyncio.Queue[StepOutput | StreamEnd] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), events)
         return events
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def publish(self, request_id: str, event: TokenEvent | StreamEnd) -> None:
+    def publish(self, request_id: str, event: StepOutput | StreamEnd) -> None:
         """Sends an event to a request's stream (from the engine thread)."""
         target = self._streams.get(request_id)
         if target is not None:
@@ -108,8 +97,7 @@ class AsyncEngine:
 
     def abort(self, engine: LLMEngine, request_id: str) -> bool:
         """On the engine thread: aborts a request (freeing its blocks) and ends its stream. Whether it existed."""
-        found = request_id in engine.requests
-        engine.abort(request_id)
+        found = engine.abort(request_id)
         self.publish(request_id, RequestAborted(f"request {request_id} was aborted"))
         return found
 
@@ -141,10 +129,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         for out in self.engine.step():
-            request = self.engine.requests[out.request_id]
-            logprobs = request.logprobs[-1] if request.logprobs else None
-            self.publish(out.request_id, TokenEvent(out.token_id, logprobs, request.finish_reason,
-                                                    request.stop_reason))
+            self.publish(out.request_id, out)
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -1,8 +1,10 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed with inputs copied into static
 buffers. A decode step of a small batch is dominated by kernel launches; a graph replays them all at once.
 
-Rows past the real batch are padding: token 0 at position 0, slot -1 (store_kv skips it) and seq_len 0
-(decode attention writes a zero row), so they touch no real block.
+Rows past the real batch are padding: token 0 at position 0, seq_len 0 (decode attention writes a zero
+row) and a slot in the padding block, a block past the pool that no request ever owns. Every attention
+backend stores there without a branch (a slot of -1 would be skipped by the Triton store but would wrap
+around to the pool's last block in torch's indexing).
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ def batch_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, max_batch: int, max_blocks_per_seq: int,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, padding_slot: int) -> None:
         device = model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.padding_slot = padding_slot
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_batch,), padding_slot, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
@@ -73,7 +76,7 @@ class DecodeGraphs:
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
-        self.slot_mapping[batch:bucket].fill_(-1)
+        self.slot_mapping[batch:bucket].fill_(self.padding_slot)
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.seq_lens[batch:bucket].zero_()
         self.block_tables[:bucket].zero_()

@@ -1,39 +1,76 @@
-"""One request's state, all in one place (the scheduler, KV manager and runner read and update it)."""
+"""One request's state, all in one place. The scheduler owns every status transition (engine/scheduler.py).
+
+The states, and who moves a request between them:
+
+    WAITING ----------------> RUNNING ----------------> FINISHED_STOPPED / FINISHED_LENGTH
+       ^   schedule()          |    update_from_output()         (or FINISHED_PINNED with pin_blocks)
+       |                       v
+       +--- PREEMPTED <--- schedule() when the pool runs dry (blocks freed, recomputed later)
+
+    WAITING_FOR_REMOTE_KV --admit_remote_kv()--> WAITING (prompt computed elsewhere, first token appended)
+
+    any unfinished state or FINISHED_PINNED --abort()--> FINISHED_ABORTED (blocks freed)
+    FINISHED_PINNED --free_pinned()--> gone (blocks freed)
+
+A prefill node pins a finished request's blocks (FINISHED_PINNED) until a decode node has pulled them; a
+decode node reserves blocks for a prompt whose K/V it pulls (WAITING_FOR_REMOTE_KV). Both still belong to
+the scheduler, so `abort()` frees them like any other request.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.hashing import BlockHash
-from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from engine.types import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved; their K/V arrives from another node
     RUNNING = "running"
     PREEMPTED = "preempted"  # blocks given back; recomputes its tokens when scheduled again
-    FINISHED = "finished"
+    FINISHED_PINNED = "finished_pinned"  # done, but its blocks are kept until free_pinned() or abort()
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token id
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @staticmethod
+    def finished(reason: FinishReason) -> RequestStatus:
+        return {FinishReason.STOP: RequestStatus.FINISHED_STOPPED, FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+                FinishReason.ABORT: RequestStatus.FINISHED_ABORTED}[reason]
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_PINNED, RequestStatus.FINISHED_STOPPED,
+                       RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 
 @dataclass(eq=False)
 class Request:
     """A sequence being generated. Phase-free: `num_computed_tokens` just catches up with `token_ids`.
 
-    token_ids = prompt + output. Tokens [0, num_computed_tokens) have their K/V in `block_ids`; once
-    num_computed_tokens == num_tokens the last step produced logits and a new token was appended.
+    token_ids = prompt + output. `num_computed_tokens` counts the tokens whose K/V is computed or being
+    computed by the step in flight: the scheduler advances it when it schedules a step, so the next step
+    can be planned while this one runs. Once it reaches num_tokens, the step's logits give the next token.
+
+        token_ids:  |<------------ prompt ------------>|<--- output --->|
+        K/V:        |<------- num_computed_tokens ------->|  (in block_ids)
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    prompt: str | None = None
-    generator: torch.Generator | None = None
+    # The seed of this request's sampling noise. The noise of output token k depends on (seed, k) only, so a
+    # request continued on another node (P samples token 0, D the rest) samples what it would have here.
+    seed: int = 0
     max_num_tokens: int = 0  # context limit: the request finishes with LENGTH when it has this many tokens
-    pin_blocks: bool = False  # keep the K/V blocks after finishing, until released (a prefill node's ticket)
+    pin_blocks: bool = False  # finish as FINISHED_PINNED: keep the K/V blocks until free_pinned()
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -41,16 +78,12 @@ class Request:
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_prompt_cached_tokens: int = 0  # prefix-cache hit when first scheduled
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[PositionLogprobs] | None = None
-    cumulative_logprob: float = 0.0
+    finish_reason: FinishReason | None = None  # set when it finishes (a pinned request keeps it too)
+    stop_token_id: int | None = None  # the stop token id that finished it (None for EOS or no stop token)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        if self.params.logprobs is not None and self.logprobs is None:
-            self.logprobs = []
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +101,18 @@ class Request:
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
-    @property
-    def finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Appends a sampled token; returns why that finishes the request, or None to keep going.
+
+        Token-level stops only (EOS, stop token ids, max_tokens, the context): stop strings are text, and
+        text is the output processor's (engine/output_processor.py)."""
+        self.token_ids.append(token_id)
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens and (
+                token_id in self.eos_token_ids or token_id in (params.stop_token_ids or ())):
+            self.stop_token_id = None if token_id in self.eos_token_ids else token_id
+            return FinishReason.STOP
+        if self.num_tokens >= self.max_num_tokens or (
+                params.max_tokens is not None and self.num_output_tokens >= params.max_tokens):
+            return FinishReason.LENGTH
+        return None

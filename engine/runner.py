@@ -12,7 +12,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.model.loader import build_model
-from engine.sampler import SampledToken, Sampler, SamplingRow
+from engine.sampler import SampledToken, Sampler, SamplingRow, noise_seed
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -63,17 +63,23 @@ class ModelRunner:
                                  fused_kernels=fused)
         self.backend = make_attention_backend(backend_name)
         self.num_blocks = cfg.num_kv_blocks or self._default_num_blocks(cfg, max_model_len)
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        # With CUDA graphs, one more block past the pool: the padding rows of a graph store their K/V there.
+        # The block pool never hands it out, and it is not part of `kv_cache` (what transfers register).
+        num_allocated = self.num_blocks + 1 if use_graphs else self.num_blocks
         # [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]: see layers/attention.py
-        self.kv_cache = torch.zeros(
-            (self.num_blocks, model_cfg.num_layers, 2, self.block_size, model_cfg.num_kv_heads,
+        storage = torch.zeros(
+            (num_allocated, model_cfg.num_layers, 2, self.block_size, model_cfg.num_kv_heads,
              model_cfg.head_dim), dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[:, i, 0], self.kv_cache[:, i, 1]) for i in range(model_cfg.num_layers)]
+        self.kv_cache = storage[:self.num_blocks]
+        self.kv_caches = [(storage[:, i, 0], storage[:, i, 1]) for i in range(model_cfg.num_layers)]
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not cfg.enforce_eager:
+        if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
                                        min(cfg.max_graph_batch_size, cfg.max_num_seqs),
-                                       -(-max_model_len // self.block_size), self.sliding_window)
+                                       -(-max_model_len // self.block_size), self.sliding_window,
+                                       padding_slot=self.num_blocks * self.block_size)
         logger.info("model %s on %s in %s, %d KV blocks of %d tokens", model_cfg.architecture, self.device,
                     self.dtype, self.num_blocks, self.block_size)
 
@@ -125,7 +131,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         for item in items:
             req = item.request
-            begin, end = req.num_computed_tokens, req.num_computed_tokens + item.num_new_tokens
+            begin, end = item.start, item.start + item.num_new_tokens
             input_ids.extend(req.token_ids[begin:end])
             positions.extend(range(begin, end))
             table = req.block_ids
@@ -156,5 +162,6 @@ class ModelRunner:
     @staticmethod
     def _sampling_row(item: ScheduledRequest) -> SamplingRow:
         req = item.request
-        return SamplingRow(params=req.params, generator=req.generator, prompt_token_ids=req.prompt_token_ids,
+        seed = None if req.params.greedy else noise_seed(req.seed, req.num_output_tokens)
+        return SamplingRow(params=req.params, seed=seed, prompt_token_ids=req.prompt_token_ids,
                            output_token_ids=req.output_token_ids, eos_token_ids=req.eos_token_ids)

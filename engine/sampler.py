@@ -12,9 +12,11 @@ min_p runs before top_k/top_p, as in vLLM v1 (it is one of its argmax-invariant 
 right after temperature). The order matters only with top_p: min_p compares each probability to the
 largest one, so it commutes with top_k but not with top_p's renormalised cumulative sum.
 
-Batch invariance: each random row draws exactly `vocab` exponentials from its own generator per step and
-every tensor operation works within a row, so a seeded request samples the same tokens whatever else shares
-the batch and in whichever order.
+Batch invariance: each random row draws exactly `vocab` exponentials seeded by `noise_seed(request seed,
+output index)` and every tensor operation works within a row, so a seeded request samples the same tokens
+whatever else shares the batch and in whichever order. The noise depends on nothing but the seed and the
+token's index either, so a request that a prefill node starts (token 0) and a decode node continues (tokens
+1, 2, ...) samples what it would have sampled on one node.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ class SamplingRow:
     """One row of logits to sample from, with what the sampler needs to know of its request."""
 
     params: SamplingParams
-    # Per-request generator on the logits' device; None only for greedy rows. One generator per row: rows
-    # that shared one would make each other's draws depend on batch order.
-    generator: torch.Generator | None
+    # The seed of this row's noise (noise_seed of the request's seed and this token's index); None only for
+    # greedy rows.
+    seed: int | None
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far, before this step
     # Suppressed, with params.stop_token_ids, while the output is shorter than min_tokens. The sampler
@@ -53,8 +55,25 @@ class SampledToken:
     logprobs: PositionLogprobs | None = None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(request_seed: int, output_index: int) -> int:
+    """The seed of the sampling noise for a request's output token number `output_index` (0 = the first).
+
+    splitmix64 of the pair: nearby seeds and indices give unrelated noise."""
+    x = (request_seed * 0x9E3779B97F4A7C15 + output_index + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
 class Sampler:
-    """Samples one token per row of logits. Stateless: the request state travels in the rows."""
+    """Samples one token per row of logits. The request state travels in the rows; the sampler only keeps
+    one generator per device, re-seeded for every random row."""
+
+    def __init__(self) -> None:
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         # logits: [num_rows, vocab], any float dtype; never modified.
@@ -74,8 +93,11 @@ class Sampler:
             if greedy_rows:
                 sampled[greedy_rows] = processed[greedy_rows].argmax(dim=-1)
             # Advanced indexing copies, so the in-place steps of sample_random leave `processed` alone.
+            generator = self._generators.get(logits.device)
+            if generator is None:
+                generator = self._generators[logits.device] = torch.Generator(device=logits.device)
             sampled[random_rows] = sample_random(
-                processed[random_rows].to(torch.float32), [rows[i] for i in random_rows]
+                processed[random_rows].to(torch.float32), [rows[i] for i in random_rows], generator
             )
         token_ids: list[int] = sampled.tolist()
         logprobs = gather_logprobs(logits, rows, sampled)
@@ -147,10 +169,10 @@ def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     return logits - frequency * counts - presence * (counts > 0).float()
 
 
-def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Samples the random (temperature > 0) rows. logits: [num_rows, vocab] float32, overwritten.
-    Returns the token ids: [num_rows] long."""
-    device, vocab_size = logits.device, logits.shape[1]
+def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> torch.Tensor:
+    """Samples the random (temperature > 0) rows. logits: [num_rows, vocab] float32, overwritten; `generator`
+    on the logits' device, re-seeded with each row's seed. Returns the token ids: [num_rows] long."""
+    device = logits.device
     temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32, device=device)
     logits.div_(temperature.unsqueeze(1))
     min_p = [row.params.min_p for row in rows]
@@ -158,22 +180,16 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
         apply_min_p(logits, min_p)
     top_k = [row.params.top_k for row in rows]
     top_p = [row.params.top_p for row in rows]
+    vocab_size = logits.shape[1]
     if any(0 < k < vocab_size for k in top_k) or any(p < 1 for p in top_p):
         apply_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i. Each row draws its
-    # noise from its own generator so its samples do not depend on the rest of the batch.
+    # Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i. Each row's noise
+    # comes from its own seed, so its samples do not depend on the rest of the batch.
     noise = torch.empty_like(probs)
     for i, row in enumerate(rows):
-        generator = row.generator
-        assert generator is not None, "a random (temperature > 0) row needs a generator"
-        if generator.device == noise.device:
-            noise[i].exponential_(generator=generator)
-        else:
-            # Correct but slow (a host-side draw and a copy per row): give requests generators on the
-            # logits' device.
-            host_noise = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
-            noise[i].copy_(host_noise.exponential_(generator=generator))
+        assert row.seed is not None, "a random (temperature > 0) row needs a seed"
+        noise[i].exponential_(generator=generator.manual_seed(row.seed))
     # exponential_ can return exactly 0; 0/0 would be NaN, which argmax takes as the maximum.
     noise.clamp_min_(torch.finfo(torch.float32).tiny)
     return probs.div_(noise).argmax(dim=-1)

@@ -108,6 +108,24 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    """The token one engine step appended to one request, and whether it finished the request.
+
+    Token-level only: EOS, a stop token id, max_tokens or the context. Text (detokenization, stop strings)
+    is the output processor's job (engine/output_processor.py), in the offline LLM and in the proxy."""
+
+    request_id: str
+    token_id: int
+    logprobs: PositionLogprobs | None  # when asked for; decoded_token left None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that finished it (None for EOS)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclass
 class CompletionOutput:
     index: int

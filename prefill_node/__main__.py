@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, PinnedBlocks
 from kvtransfer.ticket import KVTicket, kv_checksum
 from node_common.kv import block_checksums, kv_layout, open_connector
 from node_common.options import add_node_args, engine_config, node_id
@@ -31,11 +31,10 @@ def main() -> None:
     layout_hash = kv_layout(engine).layout_hash
     connector, region, metadata = open_connector(engine, args.kv_backend, args.host, name)
 
-    def make_ticket(llm: LLMEngine, ticket_id: str, request_id: str, deadline: float) -> KVTicket:
-        request = llm.requests[request_id]
-        blocks = list(request.block_ids)
+    def make_ticket(ticket_id: str, pinned: PinnedBlocks, deadline: float) -> KVTicket:
+        blocks = list(pinned.block_ids)
         return KVTicket(ticket_id=ticket_id, prefill_node_id=name, incarnation=loop.incarnation,
-                        transfer_endpoint=metadata, block_ids=tuple(blocks), num_tokens=request.num_prompt_tokens,
+                        transfer_endpoint=metadata, block_ids=tuple(blocks), num_tokens=pinned.num_tokens,
                         layout_hash=layout_hash, lease_deadline=deadline, checksum=kv_checksum(region, blocks),
                         block_checksums=block_checksums(region, blocks))
 

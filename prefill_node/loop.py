@@ -1,17 +1,18 @@
 """The prefill node's request lifecycle, around the engine thread. No gRPC here (service.py is the edge).
 
 A request's life on a prefill node (P):
-1. `Prefill` arrives: the prompt is validated and added to the engine to produce one token, with its
-   K/V blocks pinned (they outlive the request).
+1. `Prefill` arrives: the prompt is validated and added to the engine to produce one token, with
+   `pin_blocks`: it finishes as FINISHED_PINNED, its K/V blocks kept (engine/request.py has the states).
 2. The engine schedules it like any other (chunked prefill, prefix-cache hits) and samples the first token.
 3. If that token already ends the request (EOS, a stop token id, max_tokens=1, the context limit), the
-   blocks are freed and no ticket is issued.
+   blocks are freed (`free_pinned`) and no ticket is issued.
 4. Otherwise a lease is recorded and a KV ticket returned: block ids, per-block checksums, this node's
    incarnation, its connector metadata and the lease deadline.
 5. The decode node (D) pulls the blocks over the connector, then calls `Release`: the blocks are freed.
    While D waits for room, `ExtendLease` moves the deadline.
-6. `Abort` frees the request at any stage. A lease past its deadline is freed by the ticker and counted:
-   KV is never stranded on P. Tickets of an earlier incarnation (P restarted) are refused.
+6. `Abort` frees the request at any stage (`abort`), also when the RPC is cancelled while the request is
+   being added. A lease past its deadline is freed by the ticker and counted: KV is never stranded on P.
+   Tickets of an earlier incarnation (P restarted) are refused.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd, TokenEvent
-from engine.llm_engine import LLMEngine
-from engine.types import FinishReason, SamplingParams
+from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd
+from engine.llm_engine import LLMEngine, PinnedBlocks
+from engine.types import FinishReason, SamplingParams, StepOutput
 from kvtransfer.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
@@ -50,15 +51,15 @@ class Lease:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    first: TokenEvent
+    first: StepOutput
     ticket: KVTicket | None  # None when the first token finished the request
     num_cached_tokens: int
 
 
 class PrefillLoop:
     def __init__(self, engine: AsyncEngine, node_id: str, lease_s: float,
-                 make_ticket: Callable[[LLMEngine, str, str, float], KVTicket]) -> None:
-        """make_ticket(engine, ticket_id, request_id, deadline) runs on the engine thread and describes
+                 make_ticket: Callable[[str, PinnedBlocks, float], KVTicket]) -> None:
+        """make_ticket(ticket_id, pinned blocks, lease deadline) runs on the engine thread and describes
         the request's pinned blocks (ids, checksums, transfer endpoint)."""
         self.engine = engine
         self.node_id = node_id
@@ -79,20 +80,23 @@ class PrefillLoop:
         first_params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1),
                                            stop=[])
         events = self.engine.open_stream(request_id)
+        added = False
         try:
             try:
+                added = True  # from here the engine may hold the request, whatever happens to this RPC
                 request = await self.engine.call(
                     lambda e: e.add_request(request_id, prompt_token_ids, first_params, pin_blocks=True))
             except ValueError as e:
+                added = False
                 raise PrefillError("INVALID_ARGUMENT", str(e)) from e
             timeout = None if deadline is None else max(0.0, deadline - time.time())
-            try:
-                first = await asyncio.wait_for(events.get(), timeout)
-            except (TimeoutError, asyncio.CancelledError):
-                await self.engine.call(lambda e: e.abort(request_id))
-                raise
-        except TimeoutError as e:
-            raise PrefillError("DEADLINE_EXCEEDED", f"request {request_id} passed its deadline in prefill") from e
+            first = await asyncio.wait_for(events.get(), timeout)
+        except BaseException as e:
+            if added:  # cancelled or timed out: the request (and its blocks) must not outlive the RPC
+                await asyncio.shield(self.engine.call(lambda eng: self.engine.abort(eng, request_id)))
+            if isinstance(e, TimeoutError):
+                raise PrefillError("DEADLINE_EXCEEDED", f"request {request_id} passed its deadline in prefill") from e
+            raise
         finally:
             self.engine.close_stream(request_id)
         if isinstance(first, RequestAborted):
@@ -103,7 +107,7 @@ class PrefillLoop:
         num_cached = request.num_prompt_cached_tokens
         finished = _finishes_request(first, params, request.num_tokens >= request.max_num_tokens)
         if finished is not None:
-            await self.engine.call(lambda e: e.release_blocks(request_id))
+            await self.engine.call(lambda e: e.free_pinned(request_id))
             return PrefillResult(dataclasses.replace(first, finish_reason=finished), None, num_cached)
         ticket_id = f"{self.node_id}:{request_id}:{uuid.uuid4().hex[:8]}"
         ticket = await self.engine.call(lambda e: self._lease(e, ticket_id, request_id))
@@ -111,10 +115,11 @@ class PrefillLoop:
                              num_cached)
 
     def _lease(self, engine: LLMEngine, ticket_id: str, request_id: str) -> KVTicket:
-        if request_id not in engine.requests:  # aborted between its first token and now: blocks already freed
+        pinned = engine.pinned_blocks(request_id)
+        if pinned is None:  # aborted between its first token and now: blocks already freed
             raise PrefillError("CANCELLED", f"request {request_id} was aborted")
         deadline = time.time() + self.lease_s
-        ticket = self._make_ticket(engine, ticket_id, request_id, deadline)
+        ticket = self._make_ticket(ticket_id, pinned, deadline)
         self._leases[ticket_id] = Lease(ticket_id, request_id, deadline)
         return ticket
 
@@ -128,7 +133,7 @@ class PrefillLoop:
         lease = self._leases.pop(ticket_id, None)
         if lease is None:
             return False
-        engine.release_blocks(lease.request_id)
+        engine.free_pinned(lease.request_id)
         return True
 
     async def extend(self, ticket_id: str, incarnation: int, seconds: float) -> float | None:
@@ -163,7 +168,7 @@ class PrefillLoop:
                 self.num_leases_expired += 1
 
 
-def _finishes_request(first: TokenEvent, params: SamplingParams, at_context_limit: bool) -> FinishReason | None:
+def _finishes_request(first: StepOutput, params: SamplingParams, at_context_limit: bool) -> FinishReason | None:
     """Whether the first token ends the whole request (P ran it with max_tokens=1, so LENGTH alone says
     nothing: only the user's own max_tokens=1 or the context limit make it final)."""
     if first.finish_reason == FinishReason.STOP:

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from engine import SamplingParams
-from engine.async_engine import AsyncEngine, EngineDead, TokenEvent
+from engine.async_engine import AsyncEngine, EngineDead
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.types import FinishReason
+from engine.types import FinishReason, StepOutput
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 
 
@@ -25,11 +25,11 @@ def test_tokens_stream_from_the_engine_thread(tiny_model: TinyModelFactory) -> N
     prompt = [5, 17, 99, 4]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
-    async def run() -> list[TokenEvent | EngineDead]:
+    async def run() -> list[StepOutput | EngineDead]:
         events = engine.open_stream("r")
         await engine.call(lambda e: e.add_request("r", prompt, params))
         received = []
-        while not received or (isinstance(received[-1], TokenEvent) and received[-1].finish_reason is None):
+        while not received or (isinstance(received[-1], StepOutput) and received[-1].finish_reason is None):
             received.append(await asyncio.wait_for(events.get(), 10))
         return received
 
@@ -37,9 +37,9 @@ def test_tokens_stream_from_the_engine_thread(tiny_model: TinyModelFactory) -> N
         received = asyncio.run(run())
     finally:
         engine.stop()
-    assert all(isinstance(e, TokenEvent) for e in received)
-    assert [e.token_id for e in received if isinstance(e, TokenEvent)] == hf_greedy(tiny_model("llama"), [prompt], 6)[0]
-    assert isinstance(received[-1], TokenEvent) and received[-1].finish_reason == FinishReason.LENGTH
+    assert all(isinstance(e, StepOutput) for e in received)
+    assert [e.token_id for e in received if isinstance(e, StepOutput)] == hf_greedy(tiny_model("llama"), [prompt], 6)[0]
+    assert isinstance(received[-1], StepOutput) and received[-1].finish_reason == FinishReason.LENGTH
 
 
 def test_a_dead_engine_thread_fails_streams_and_calls(tiny_model: TinyModelFactory) -> None:
@@ -53,7 +53,7 @@ def test_a_dead_engine_thread_fails_streams_and_calls(tiny_model: TinyModelFacto
     engine.add_ticker(explode)
     engine.start()
 
-    async def run() -> TokenEvent | EngineDead:
+    async def run() -> StepOutput | EngineDead:
         events = engine.open_stream("r")
         await engine.call(lambda e: armed.append(True))
         return await asyncio.wait_for(events.get(), 10)

@@ -11,6 +11,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.request import RequestStatus
+from engine.sampler import SampledToken
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -114,22 +116,25 @@ def test_request_admitted_with_its_prompt_kv_in_place_matches(tiny_model: TinyMo
     request = prefill.add_request("p", prompt, first, pin_blocks=True)
     while prefill.has_unfinished():
         prefill.step()
+    assert request.status is RequestStatus.FINISHED_PINNED
     first_token = request.token_ids[-1]
-    kept_blocks = list(request.block_ids)
-    assert len(kept_blocks) == 3 and prefill.kv.num_free_blocks == prefill.kv.num_blocks - 3
+    pinned = prefill.pinned_blocks("p")
+    assert pinned is not None and len(pinned.block_ids) == 3 and pinned.num_tokens == 11
+    assert prefill.kv.num_free_blocks == prefill.kv.num_blocks - 3
 
     incoming = decode.make_request("d", prompt, GREEDY)
-    reserved = decode.reserve_prompt_blocks(incoming)
-    assert reserved is not None and reserved.num_cached_tokens == 0
-    decode.runner.kv_cache[reserved.block_ids] = prefill.runner.kv_cache[kept_blocks]
-    prefill.release_blocks("p")
+    reserved = decode.reserve_remote_kv(incoming)
+    assert reserved is not None and reserved.num_cached_blocks == 0
+    assert incoming.status is RequestStatus.WAITING_FOR_REMOTE_KV and not decode.has_unfinished()
+    decode.kv_cache[reserved.block_ids] = prefill.kv_cache[list(pinned.block_ids)]
+    assert prefill.free_pinned("p") and prefill.pinned_blocks("p") is None
     assert prefill.kv.num_free_blocks == prefill.kv.num_blocks
-    assert not decode.admit_prefilled(incoming, first_token)
+    assert not decode.admit_remote_kv("d", SampledToken(first_token)).finished
     while decode.has_unfinished():
         decode.step()
     expected = hf_greedy(model, [prompt], GREEDY.max_tokens)[0]
     assert incoming.output_token_ids == expected
-    assert decode.kv.num_free_blocks == decode.kv.num_blocks
+    assert decode.kv.num_free_blocks == decode.kv.num_blocks and not decode.requests
 
 
 def _config(model: Path):  # type: ignore[no-untyped-def]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, process_logits
+from engine.sampler import Sampler, SamplingRow, noise_seed, process_logits
 from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -21,8 +21,7 @@ def make_row(
     output: Sequence[int] = (),
     eos: Sequence[int] = (),
 ) -> SamplingRow:
-    generator = None if params.greedy else torch.Generator().manual_seed(seed)
-    return SamplingRow(params, generator, list(prompt), list(output), frozenset(eos))
+    return SamplingRow(params, None if params.greedy else seed, list(prompt), list(output), frozenset(eos))
 
 
 def sample_ids(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
@@ -74,10 +73,9 @@ def test_seeded_row_samples_the_same_tokens_alone_or_in_any_batch() -> None:
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=500, min_p=0.01, seed=1234)
 
     def run(batch_before: int, batch_after: int) -> list[int]:
-        generator = torch.Generator().manual_seed(1234)
-        tokens = []
-        for _ in range(8):
-            target = SamplingRow(params, generator, [1, 2, 3], tokens.copy(), frozenset())
+        tokens: list[int] = []
+        for step in range(8):
+            target = SamplingRow(params, noise_seed(1234, step), [1, 2, 3], tokens.copy(), frozenset())
             others_before = [make_row(SamplingParams(temperature=1.3), seed=100 + i) for i in range(batch_before)]
             others_after = [make_row(GREEDY) for _ in range(batch_after)]
             rows = [*others_before, target, *others_after]
@@ -91,7 +89,7 @@ def test_seeded_row_samples_the_same_tokens_alone_or_in_any_batch() -> None:
     assert run(0, 7) == alone
     assert run(2, 0) == alone
     assert len(set(alone)) > 1, "the sampled tokens should vary from step to step"
-    other_seed = SamplingRow(params, torch.Generator().manual_seed(99), [1, 2, 3], [], frozenset())
+    other_seed = SamplingRow(params, noise_seed(99, 0), [1, 2, 3], [], frozenset())
     first_tokens = {sample_ids(target_logits.unsqueeze(0), [other_seed])[0] for _ in range(5)}
     assert first_tokens != {alone[0]}, "another seed should give other tokens"
 
@@ -145,8 +143,8 @@ def test_min_tokens_suppresses_eos_and_stop_token_ids_until_reached() -> None:
 def test_min_tokens_suppresses_eos_for_random_rows_too() -> None:
     logits = torch.tensor([[10.0, 2.0, 2.0]])
     params = SamplingParams(temperature=1.0, min_tokens=5)
-    row = make_row(params, seed=3, output=[], eos=[0])
-    assert {sample_ids(logits, [row])[0] for _ in range(50)} == {1, 2}
+    rows = [make_row(params, seed=noise_seed(3, i), output=[], eos=[0]) for i in range(50)]
+    assert {sample_ids(logits, [row])[0] for row in rows} == {1, 2}
 
 
 def test_logprobs_come_from_raw_logits_with_ranks_and_top_n() -> None:
@@ -205,9 +203,9 @@ def _renormalized(weights: list[float]) -> list[float]:
 )
 def test_sampled_frequencies_follow_the_processed_distribution(params: SamplingParams, expected: list[float]) -> None:
     logits = torch.tensor([PROBS]).log()
-    row = make_row(params, seed=7)
     num_samples = 2000
-    counts = Counter(sample_ids(logits, [row])[0] for _ in range(num_samples))
+    # a row's noise is a function of its seed: one seed per sample, as successive tokens of a request get
+    counts = Counter(sample_ids(logits, [make_row(params, seed=noise_seed(7, i))])[0] for i in range(num_samples))
     for token_id, probability in enumerate(expected):
         frequency = counts[token_id] / num_samples
         if probability == 0:
@@ -221,8 +219,8 @@ def test_min_p_applies_before_top_p_as_in_vllm() -> None:
     # min_p=0.6 keeps {0, 1} (renormalised 4/7, 3/7); top_p=0.5 then keeps token 0 only. The other order
     # would keep {0, 1}: top_p over the raw probabilities needs tokens 0 and 1 to reach 0.5.
     logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
-    row = make_row(SamplingParams(temperature=1.0, min_p=0.6, top_p=0.5), seed=11)
-    assert {sample_ids(logits, [row])[0] for _ in range(200)} == {0}
+    params = SamplingParams(temperature=1.0, min_p=0.6, top_p=0.5)
+    assert {sample_ids(logits, [make_row(params, seed=noise_seed(11, i))])[0] for i in range(200)} == {0}
 
 
 def test_greedy_and_random_rows_in_one_batch() -> None:
