@@ -51,3 +51,18 @@ def test_gpu_seeded_sampling_is_batch_invariant(tiny_model: TinyModelFactory) ->
     crowd = llm.generate(prompts_of((4, 20, 7)) + [target],
                          [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * 3 + [seeded])
     assert crowd[3].outputs[0].token_ids == alone
+
+
+def test_gpu_graph_padding_rows_touch_no_block_of_the_pool(tiny_model: TinyModelFactory) -> None:
+    # 3 decoding requests replay the graph of bucket 4: one padding row, whose K/V must land outside the pool
+    # (a slot of -1 would wrap around to the last block with the torch backend).
+    llm = LLM(model=str(tiny_model("llama")), dtype="float32", block_size=16, num_kv_blocks=32, max_num_seqs=8,
+              attention_backend="torch")
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.bucket(3) == 4
+    runner.kv_cache[-1].fill_(7.0)  # the last block: short prompts never get it from the pool
+    prompts = prompts_of((5, 9, 3))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                                                ignore_eos=True))]
+    assert bool((runner.kv_cache[-1] == 7.0).all()), "a padding row wrote into the pool's last block"
+    assert got == hf_greedy(tiny_model("llama"), prompts, 6)
