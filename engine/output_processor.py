@@ -105,7 +105,7 @@ class OutputProcessor:
                  token_texts: dict[int, str] | None = None) -> None:
         self._tokenizer = tokenizer
         self._params = params
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._stop_strings = _StopStrings(list(params.stop or []), params.include_stop_str_in_output)
         self._token_texts = token_texts if token_texts is not None else {}
         self._text = ""  # the output text: the detokenizer's, cut at a stop string

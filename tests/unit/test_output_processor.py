@@ -85,6 +85,12 @@ def test_the_earliest_stop_string_wins(tokenizer: PreTrainedTokenizerBase) -> No
     assert processor.text == "The l" and processor.stop_reason == "ic"
 
 
+def test_a_stop_string_in_the_prompt_only_does_not_stop(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = encode(tokenizer, "the end")
+    processor, _ = feed(tokenizer, ids, SamplingParams(stop="upon"))  # feed's prompt: "Once upon a time"
+    assert processor.text == "the end" and processor.finish_reason == FinishReason.LENGTH
+
+
 def test_a_stop_string_wins_over_a_length_finish_on_the_same_token(tokenizer: PreTrainedTokenizerBase) -> None:
     ids = encode(tokenizer, "the end")
     processor, _ = feed(tokenizer, ids, SamplingParams(stop="nd"), FinishReason.LENGTH)
