@@ -1,6 +1,6 @@
-"""Incremental detokenization of one sequence: text grows token by token, and stop strings end it.
+"""Incremental detokenization of one sequence: text grows token by token.
 
-Torch-free so that the proxy can use it as well as the engine.
+Torch-free, under engine/output_processor.py (which decides stop strings and what text is shown).
 
 Each step decodes only a small window of token ids (the prefix_offset/read_offset technique of vLLM and TGI):
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
-
-from engine.types import SamplingParams
 
 # Prompt tokens that seed the window; vLLM uses 5 too.
 _PROMPT_CONTEXT_TOKENS = 5
@@ -58,56 +56,34 @@ def decode_token(tokenizer: TokenizerLike, token_id: int) -> str:
 
 
 class IncrementalDetokenizer:
-    """Text of one output sequence, pushed a token at a time.
+    """Text of one output sequence, pushed a token at a time; flush() releases a character still held back
+    once the sequence ends. Which tokens to push (not an EOS whose text is left out) is the caller's choice."""
 
-    Per step the engine calls push(token_id) then check_stop(); when the sequence ends for another reason
-    (eos, stop token, length) it calls flush() to release a character still held back. A stop token that
-    ends the sequence should not be pushed unless its text belongs in the output (vLLM leaves it out).
-    """
-
-    def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
-        self._skip_special_tokens = params.skip_special_tokens
-        stop = params.stop
-        self._stop_strings: list[str] = [stop] if isinstance(stop, str) else list(stop or [])
-        self._include_stop_str_in_output = params.include_stop_str_in_output
-        self._min_tokens = params.min_tokens
-
+        self._skip_special_tokens = skip_special_tokens
         # The decode window. Invariant: _window_ids[:_read_offset] decode to text already accounted for
         # (emitted, or prompt context); _window_ids[_read_offset:] are pushed tokens whose text is held back.
         # The window starts at the prefix offset: older ids are dropped, so it stays a few tokens long.
         self._window_ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._read_offset = len(self._window_ids)
-
         self._text = ""
-        self._num_output_tokens = 0
-        self._num_checked_chars = 0  # text before this index holds no stop string
-        self._stop_reason: str | None = None
 
     @property
     def text(self) -> str:
-        """The output text so far, truncated at a stop string once one is found."""
+        """The output text so far."""
         return self._text
 
-    @property
-    def stop_reason(self) -> str | None:
-        """The stop string found by check_stop, if any."""
-        return self._stop_reason
-
     def push(self, token_id: int) -> str:
-        """Appends one output token and returns the text it adds: "" while it leaves a character unfinished.
-
-        The return value is before stop-string truncation; `text` is the authoritative output.
-        """
-        assert self._stop_reason is None, "push after a stop string ended the sequence"
+        """Appends one output token and returns the text it adds: "" while it leaves a character unfinished."""
         self._window_ids.append(token_id)
-        self._num_output_tokens += 1
         return self._advance(final=False)
 
     def flush(self) -> str:
         """Emits the text held back at the end of a finished sequence (an unfinished character shows as
-        U+FFFD). Returns what it added: nothing after a stop string, whose truncation already cut it off."""
-        if self._stop_reason is not None or self._read_offset == len(self._window_ids):
+        U+FFFD). Returns what it added."""
+        if self._read_offset == len(self._window_ids):
             return ""
         return self._advance(final=True)
 
@@ -123,32 +99,3 @@ class IncrementalDetokenizer:
         del self._window_ids[: self._read_offset]
         self._read_offset = len(self._window_ids)
         return delta
-
-    def check_stop(self) -> str | None:
-        """Returns the stop string if the text now contains one of params.stop, and truncates the text at it
-        (keeping the stop string with include_stop_str_in_output). The earliest match wins.
-
-        Only text added since the last call is searched, plus the len(stop) - 1 characters before it that a
-        stop string spanning tokens may start in. As in vLLM, stop strings count only once the output is
-        longer than min_tokens tokens. After a hit, returns the same stop string again.
-        """
-        if self._stop_reason is not None:
-            return self._stop_reason
-        if not self._stop_strings or len(self._text) == self._num_checked_chars:
-            return None
-        if self._num_output_tokens <= self._min_tokens:
-            self._num_checked_chars = len(self._text)
-            return None
-        best: tuple[int, str] | None = None
-        for stop in self._stop_strings:
-            index = self._text.find(stop, max(0, self._num_checked_chars - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        self._num_checked_chars = len(self._text)
-        if best is None:
-            return None
-        index, stop = best
-        self._text = self._text[: index + len(stop) if self._include_stop_str_in_output else index]
-        self._num_checked_chars = len(self._text)
-        self._stop_reason = stop
-        return stop

@@ -1,5 +1,7 @@
 """One HTTP request's generations: every choice (n samples of each prompt) runs through the P/D pipeline
-concurrently and comes back as a stream of ChoiceDeltas: text, token count, logprobs, finish.
+concurrently and comes back as a stream of ChoiceDeltas: text, token count, logprobs, finish. The nodes send
+token ids; each choice's engine.output_processor.OutputProcessor turns them into text (stop strings, EOS text,
+holdback).
 
 Closing that stream (the client went away, or an error in one choice) closes every choice's pipeline
 stream, which aborts the request on the decode node and releases the ticket on the prefill node.
@@ -17,13 +19,13 @@ from typing import Any
 
 import grpc
 
-from engine.detokenizer import IncrementalDetokenizer, decode_token
+from engine.output_processor import OutputDelta, OutputProcessor
 from engine.types import PositionLogprobs, SamplingParams
 from proxy.clients import NodeError
 from proxy.errors import NoHealthyNodes, Overloaded
 from proxy.metrics import ProxyMetrics
 from proxy.openai_api import APIError
-from proxy.pd import PDPipeline
+from proxy.pd import PDPipeline, TokenChunk
 from proxy.responses import MIN_LOGPROB, ChoiceDelta, TokenLogprob, finite
 
 logger = logging.getLogger(__name__)
@@ -49,16 +51,11 @@ class ProxyState:
     max_num_requests: int | None = None
     metrics: ProxyMetrics = field(init=False)  # each state its own registry: several apps fit in one process
     num_running: int = field(init=False, default=0)  # choices in flight
-    _token_texts: dict[int, str] = field(init=False, default_factory=dict, repr=False)
+    # each token's text on its own (for logprobs), shared by every request's OutputProcessor
+    token_texts: dict[int, str] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = ProxyMetrics(self.served_model_name)
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = decode_token(self.tokenizer, token_id)
-        return text
 
 
 @dataclass(frozen=True)
@@ -97,66 +94,49 @@ def api_error(e: Exception) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}", code="internal_error", kind="server_error")
 
 
-class TextStream:
-    """Token ids in, text out, with stop strings: text that could still become a stop string is held back
-    until it cannot (or the request ends), so a stop string never leaks into a stream."""
-
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
-        self.params = params
-        self.holdback = max((len(s) for s in params.stop or []), default=1) - 1
-        self.num_sent = 0
-        self.stop_string: str | None = None
-
-    def push(self, token_ids: list[int], stop_token_id: int | None) -> None:
-        for token_id in token_ids:
-            if token_id == stop_token_id and not self.params.include_stop_str_in_output:
-                continue
-            self.detok.push(token_id)
-            self.stop_string = self.detok.check_stop()
-            if self.stop_string is not None:
-                return
-
-    def take(self, final: bool) -> str:
-        if final and self.stop_string is None:
-            self.detok.flush()
-        text = self.detok.text
-        end = len(text) if final or self.stop_string is not None else max(self.num_sent, len(text) - self.holdback)
-        delta = text[self.num_sent:end]
-        self.num_sent = end
-        return delta
+def _feed(output: OutputProcessor, chunk: TokenChunk) -> list[OutputDelta]:
+    """Feeds a chunk's tokens to the choice's output; the chunk's finish belongs to its last token. Tokens
+    after a stop string are not fed: the request ends there."""
+    deltas = []
+    for i, token_id in enumerate(chunk.token_ids):
+        logprobs = chunk.logprobs[i] if i < len(chunk.logprobs) else None
+        last = i == len(chunk.token_ids) - 1
+        deltas.append(output.update(token_id, logprobs, chunk.finish_reason if last else None,
+                                    chunk.stop_token_id if last else None))
+        if output.finished:
+            break
+    if not chunk.token_ids and chunk.finish_reason is not None:  # a finish reported after its token
+        deltas.append(output.finish(chunk.finish_reason, chunk.stop_token_id))
+    return deltas
 
 
-def _token_logprobs(state: ProxyState, token_ids: list[int], positions: list[PositionLogprobs],
-                    num_top: int) -> list[TokenLogprob]:
-    entries = []
-    for token_id, position in zip(token_ids, positions, strict=False):
-        sampled = position.get(token_id)
-        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
-        entries.append(TokenLogprob(state.token_text(token_id), finite(sampled.logprob) if sampled else MIN_LOGPROB,
-                                    [(state.token_text(t), finite(lp.logprob)) for t, lp in ranked]))
-    return entries
+def _token_logprob(output: OutputProcessor, token_id: int, position: PositionLogprobs, num_top: int
+                   ) -> TokenLogprob:
+    """The sampled token's logprob and the num_top best at its position, with each token's own text."""
+    sampled = position.get(token_id)
+    ranked = sorted(position.items(), key=lambda item: item[1].rank)[:num_top]
+    return TokenLogprob(output.token_text(token_id), finite(sampled.logprob) if sampled else MIN_LOGPROB,
+                        [(output.token_text(t), finite(lp.logprob)) for t, lp in ranked])
 
 
 async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival: float
                    ) -> AsyncGenerator[ChoiceDelta, None]:
-    text = TextStream(state.tokenizer, sub.prompt_token_ids, sub.params)
+    output = OutputProcessor(state.tokenizer, sub.prompt_token_ids, sub.params, state.token_texts)
     num_top = sub.params.logprobs
     deadline = time.time() + state.request_timeout_s
     recorder = state.metrics.request(arrival, len(sub.prompt_token_ids))
     stream = state.pipeline.generate(f"{request_id}-{sub.index}", sub.prompt_token_ids, sub.params, deadline)
     try:
         async for chunk in stream:
-            recorder.on_tokens(len(chunk.token_ids))
-            text.push(chunk.token_ids, chunk.stop_token_id)
-            if text.stop_string is not None:
-                finish: str | None = "stop"
-            else:
-                finish = str(chunk.finish_reason) if chunk.finish_reason else None
-            logprobs = [] if num_top is None else _token_logprobs(state, chunk.token_ids, chunk.logprobs, num_top)
+            deltas = _feed(output, chunk)
+            tokens = [(d.token_id, d.logprobs) for d in deltas if d.token_id is not None]
+            recorder.on_tokens(len(tokens))
+            logprobs = [] if num_top is None else [_token_logprob(output, token_id, position, num_top)
+                                                   for token_id, position in tokens if position]
+            finish = str(output.finish_reason) if output.finish_reason is not None else None
             if finish is not None:
                 recorder.finish(finish)
-            yield ChoiceDelta(sub.index, text.take(final=finish is not None), len(chunk.token_ids), logprobs, finish,
+            yield ChoiceDelta(sub.index, "".join(d.text for d in deltas), len(tokens), logprobs, finish,
                               chunk.num_cached_tokens)
             if finish is not None:
                 return  # after a stop string, closing the stream aborts the rest on the nodes

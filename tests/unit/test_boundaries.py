@@ -1,5 +1,5 @@
 """Package boundaries (DESIGN §1): the engine knows nothing of nodes, proxy or transports, and the proxy's
-share of it (types, hashing) imports no torch."""
+share of it (types, hashing, detokenizer, output processor) imports no torch."""
 
 from __future__ import annotations
 
@@ -29,6 +29,6 @@ def test_engine_imports_no_node_proxy_or_transport_package() -> None:
 
 
 def test_torch_free_modules_do_not_import_torch() -> None:
-    code = ("import sys, engine, engine.types, engine.hashing, engine.detokenizer; "
+    code = ("import sys, engine, engine.types, engine.hashing, engine.detokenizer, engine.output_processor; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

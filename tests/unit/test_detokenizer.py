@@ -7,7 +7,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import IncrementalDetokenizer, decode_token
-from engine.types import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 WORDS = [
@@ -59,9 +58,9 @@ def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
 
 
 def detokenize(
-    tokenizer: PreTrainedTokenizerFast, prompt_ids: list[int], output_ids: list[int], params: SamplingParams
+    tokenizer: PreTrainedTokenizerFast, prompt_ids: list[int], output_ids: list[int], skip_special_tokens: bool = True
 ) -> tuple[IncrementalDetokenizer, list[str]]:
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
     pieces = [detokenizer.push(token_id) for token_id in output_ids]
     return detokenizer, pieces
 
@@ -78,11 +77,10 @@ def test_incremental_text_equals_full_decode_of_random_ids(
 ) -> None:
     rng = random.Random(1)
     prompt_ids = encode(byte_level, PROMPT_TEXT)
-    params = SamplingParams(skip_special_tokens=skip_special_tokens)
     vocab_size = len(byte_level)
     for _ in range(300):
         output_ids = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 40))]
-        detokenizer, pieces = detokenize(byte_level, prompt_ids, output_ids, params)
+        detokenizer, pieces = detokenize(byte_level, prompt_ids, output_ids, skip_special_tokens)
         pieces.append(detokenizer.flush())
         expected = byte_level.decode(output_ids, skip_special_tokens=skip_special_tokens)
         assert "".join(pieces) == expected == detokenizer.text, output_ids
@@ -90,7 +88,7 @@ def test_incremental_text_equals_full_decode_of_random_ids(
 
 def test_push_never_emits_a_partial_character(byte_level: PreTrainedTokenizerFast) -> None:
     output_ids = encode(byte_level, SAMPLE_TEXT)
-    detokenizer, pieces = detokenize(byte_level, encode(byte_level, PROMPT_TEXT), output_ids, SamplingParams())
+    detokenizer, pieces = detokenize(byte_level, encode(byte_level, PROMPT_TEXT), output_ids)
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
     assert pieces.count("") >= 3, "characters split across tokens should be held back"
     assert "".join(pieces) == detokenizer.text == SAMPLE_TEXT
@@ -100,18 +98,18 @@ def test_push_never_emits_a_partial_character(byte_level: PreTrainedTokenizerFas
 def test_flush_releases_an_unfinished_character_at_the_end(byte_level: PreTrainedTokenizerFast) -> None:
     ids = encode(byte_level, "a 🙂")
     assert len(ids) >= 3, "the emoji should span tokens"
-    detokenizer, pieces = detokenize(byte_level, [], ids[:-1], SamplingParams())
+    detokenizer, pieces = detokenize(byte_level, [], ids[:-1])
     assert pieces[-1] == ""
     held_back = detokenizer.flush()
     assert held_back.endswith(REPLACEMENT_CHAR)
     assert detokenizer.text == byte_level.decode(ids[:-1])
 
 
-def test_special_tokens_are_skipped_or_kept_per_params(byte_level: PreTrainedTokenizerFast) -> None:
+def test_special_tokens_are_skipped_or_kept_as_asked(byte_level: PreTrainedTokenizerFast) -> None:
     eos_id = byte_level.convert_tokens_to_ids("<|endoftext|>")
     output_ids = [*encode(byte_level, "日本"), eos_id, *encode(byte_level, " end")]
-    skipped, _ = detokenize(byte_level, [], output_ids, SamplingParams(skip_special_tokens=True))
-    kept, _ = detokenize(byte_level, [], output_ids, SamplingParams(skip_special_tokens=False))
+    skipped, _ = detokenize(byte_level, [], output_ids, skip_special_tokens=True)
+    kept, _ = detokenize(byte_level, [], output_ids, skip_special_tokens=False)
     assert skipped.text == "日本 end"
     assert kept.text == "日本<|endoftext|> end"
 
@@ -122,7 +120,7 @@ def test_first_output_token_keeps_its_leading_space_thanks_to_prompt_context(
     prompt_ids = encode(sentencepiece_like, "the quick brown")
     output_ids = encode(sentencepiece_like, "fox jumps")
     assert sentencepiece_like.convert_ids_to_tokens(output_ids[0]).startswith("\u2581")
-    detokenizer, pieces = detokenize(sentencepiece_like, prompt_ids, output_ids, SamplingParams())
+    detokenizer, pieces = detokenize(sentencepiece_like, prompt_ids, output_ids)
     full = sentencepiece_like.decode(prompt_ids + output_ids)
     prompt_text = sentencepiece_like.decode(prompt_ids)
     assert "".join(pieces) == detokenizer.text == full[len(prompt_text) :] == " fox jumps"
@@ -132,7 +130,7 @@ def test_without_a_prompt_the_first_token_decodes_as_a_sequence_start(
     sentencepiece_like: PreTrainedTokenizerFast,
 ) -> None:
     output_ids = encode(sentencepiece_like, "fox jumps")
-    detokenizer, _ = detokenize(sentencepiece_like, [], output_ids, SamplingParams())
+    detokenizer, _ = detokenize(sentencepiece_like, [], output_ids)
     assert detokenizer.text == sentencepiece_like.decode(output_ids) == "fox jumps"
 
 
@@ -152,83 +150,3 @@ def test_decode_token_shows_a_partial_character_as_the_replacement_char(
 ) -> None:
     first_byte_of_emoji = encode(byte_level, "🙂")[0]
     assert decode_token(byte_level, first_byte_of_emoji) == REPLACEMENT_CHAR
-
-
-def push_until_stop(
-    tokenizer: PreTrainedTokenizerFast, output_ids: list[int], params: SamplingParams
-) -> tuple[IncrementalDetokenizer, int | None]:
-    """Pushes tokens and checks for stop strings after each, as the engine does; returns the stopping step."""
-    detokenizer = IncrementalDetokenizer(tokenizer, encode(tokenizer, PROMPT_TEXT), params)
-    for step, token_id in enumerate(output_ids):
-        detokenizer.push(token_id)
-        if detokenizer.check_stop() is not None:
-            return detokenizer, step
-    return detokenizer, None
-
-
-@pytest.mark.parametrize(
-    ("include_stop_str_in_output", "expected_text"),
-    [(False, "héllo wörld "), (True, "héllo wörld 日本語 🙂")],
-)
-def test_stop_string_spanning_tokens_is_found_and_truncated(
-    byte_level: PreTrainedTokenizerFast, include_stop_str_in_output: bool, expected_text: str
-) -> None:
-    stop = "日本語 🙂"
-    output_ids = encode(byte_level, SAMPLE_TEXT)
-    assert not any(stop in byte_level.decode([t]) for t in output_ids), "the stop string should span tokens"
-    params = SamplingParams(stop=[stop], include_stop_str_in_output=include_stop_str_in_output)
-    detokenizer, step = push_until_stop(byte_level, output_ids, params)
-    assert step is not None and step < len(output_ids) - 1
-    # It stops at the first token whose text completes the stop string, not later.
-    assert stop in byte_level.decode(output_ids[: step + 1])
-    assert stop not in byte_level.decode(output_ids[:step])
-    assert detokenizer.text == expected_text
-    assert detokenizer.check_stop() == stop == detokenizer.stop_reason
-    assert detokenizer.flush() == ""
-    assert detokenizer.text == expected_text
-
-
-@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
-def test_stop_string_ending_mid_token_drops_the_rest_of_that_token(
-    byte_level: PreTrainedTokenizerFast, include_stop_str_in_output: bool
-) -> None:
-    output_ids = encode(byte_level, SAMPLE_TEXT)
-    pieces = [byte_level.decode([t]) for t in output_ids]
-    # "ve caf" starts in the token " naïve" and ends inside the next one, " café".
-    stop = "ve caf"
-    cafe_step = pieces.index(" café")
-    assert pieces[cafe_step - 1] == " naïve"
-    params = SamplingParams(stop=[stop], include_stop_str_in_output=include_stop_str_in_output)
-    detokenizer, step = push_until_stop(byte_level, output_ids, params)
-    assert step == cafe_step
-    start = SAMPLE_TEXT.index(stop)
-    assert detokenizer.text == SAMPLE_TEXT[: start + len(stop) if include_stop_str_in_output else start]
-
-
-def test_earliest_stop_string_wins_when_several_appear_in_one_check(
-    byte_level: PreTrainedTokenizerFast,
-) -> None:
-    output_ids = encode(byte_level, SAMPLE_TEXT)
-    detokenizer, _ = detokenize(byte_level, [], output_ids, SamplingParams(stop=["the end", "Привет", "🙂"]))
-    # Checked once after everything: every stop string is in the text, the earliest one counts.
-    assert detokenizer.check_stop() == "🙂"
-    assert detokenizer.text == "héllo wörld 日本語 "
-
-
-def test_stop_strings_in_the_prompt_or_absent_do_not_stop(byte_level: PreTrainedTokenizerFast) -> None:
-    output_ids = encode(byte_level, "the quick brown fox")
-    params = SamplingParams(stop=["wörld", "jumps"])  # "wörld" is in PROMPT_TEXT only
-    detokenizer, step = push_until_stop(byte_level, output_ids, params)
-    assert step is None
-    assert detokenizer.text == "the quick brown fox"
-
-
-def test_stop_strings_only_count_after_min_tokens(byte_level: PreTrainedTokenizerFast) -> None:
-    output_ids = encode(byte_level, SAMPLE_TEXT)
-    params = SamplingParams(stop=["wörld"], min_tokens=len(output_ids), max_tokens=None)
-    detokenizer, step = push_until_stop(byte_level, output_ids, params)
-    assert step is None
-    assert detokenizer.text == SAMPLE_TEXT
-    # The same stop string, once past min_tokens, stops the sequence.
-    again, step = push_until_stop(byte_level, output_ids + output_ids, params)
-    assert step is not None and again.text == SAMPLE_TEXT + "héllo "

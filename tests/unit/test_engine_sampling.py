@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from engine import LLM, FinishReason, SamplingParams
+from tests.fixtures.text_cases import model_that_ends_early, stop_string_spanning_tokens
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 
 
@@ -83,19 +86,64 @@ def test_min_tokens_defers_stop_token_ids(llm: LLM, tiny_model: TinyModelFactory
     assert greedy[0] not in out.token_ids  # suppressed while below min_tokens, not merely ignored
 
 
-def test_stop_strings_truncate_the_text(llm: LLM) -> None:
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_a_stop_string_spanning_tokens_cuts_the_text_where_the_tokenizer_puts_it(
+        llm: LLM, tiny_model: TinyModelFactory, include_stop_str_in_output: bool) -> None:
     prompt = prompts_of((6,), seed=8)[0]
-    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
-    text = full.text
-    stop = text[5:8]
-    assert len(stop) == 3 and text.find(stop) == 5
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop],
-                                                ignore_eos=True))[0].outputs[0]
-    assert out.text == text[:5]
-    assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
-    kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=stop,
-                                                 include_stop_str_in_output=True, ignore_eos=True))[0]
-    assert kept.outputs[0].text == text[:8]
+    greedy = hf_greedy(tiny_model("llama"), [prompt], 12)[0]
+    case = stop_string_spanning_tokens(AutoTokenizer.from_pretrained(tiny_model("llama")), greedy)
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop=[case.stop, "never there"], ignore_eos=True,
+                            include_stop_str_in_output=include_stop_str_in_output)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.text == case.text + (case.stop if include_stop_str_in_output else "")
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason == case.stop
+    assert out.token_ids == greedy[: case.num_tokens]  # ends at the token that completes it
+
+
+def test_min_tokens_defers_stop_strings(llm: LLM, tiny_model: TinyModelFactory) -> None:
+    prompt = prompts_of((6,), seed=8)[0]
+    greedy = hf_greedy(tiny_model("llama"), [prompt], 12)[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model("llama"))
+    case = stop_string_spanning_tokens(tokenizer, greedy)
+    full = tokenizer.decode(greedy, skip_special_tokens=True)
+    assert full.count(case.stop) == 1, "pick a prompt whose stop string occurs once"
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=case.num_tokens, stop=case.stop,
+                            ignore_eos=True)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.text == full and out.finish_reason == FinishReason.LENGTH
+
+
+EARLY_EOS_PROMPT = prompts_of((6,), seed=8)[0]
+EOS_TOKEN_ID = 0  # <|endoftext|> in the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def early_eos_model(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The llama tiny model made to reach EOS (a special token) after a few tokens of EARLY_EOS_PROMPT."""
+    return model_that_ends_early(tiny_model("llama"), tmp_path_factory.mktemp("early-eos") / "model",
+                                 EARLY_EOS_PROMPT, position=4, eos_token_id=EOS_TOKEN_ID)
+
+
+@pytest.fixture(scope="module")
+def early_eos_llm(early_eos_model: Path) -> LLM:
+    return LLM(model=str(early_eos_model), dtype="float32", block_size=4)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_eos_text_is_left_out_unless_include_stop_str_in_output(
+        early_eos_model: Path, early_eos_llm: LLM, skip_special_tokens: bool, include_stop_str_in_output: bool
+) -> None:
+    greedy = hf_greedy(early_eos_model, [EARLY_EOS_PROMPT], 12)[0]
+    assert 2 <= greedy.index(EOS_TOKEN_ID) < 12, greedy
+    expected_ids = greedy[: greedy.index(EOS_TOKEN_ID) + 1]
+    shown = expected_ids if include_stop_str_in_output else expected_ids[:-1]
+    expected = AutoTokenizer.from_pretrained(early_eos_model).decode(shown, skip_special_tokens=skip_special_tokens)
+    out = early_eos_llm.generate([EARLY_EOS_PROMPT], SamplingParams(
+        temperature=0.0, max_tokens=12, skip_special_tokens=skip_special_tokens,
+        include_stop_str_in_output=include_stop_str_in_output))[0].outputs[0]
+    assert out.token_ids == expected_ids and out.text == expected
+    assert out.finish_reason == FinishReason.STOP and out.stop_reason is None
 
 
 def test_eos_ends_generation_unless_ignored(tiny_model: TinyModelFactory) -> None:

@@ -120,11 +120,14 @@ def test_node_errors_map_to_http_statuses() -> None:
 
 class ScriptedPipeline:
     """Stands in for PDPipeline to test the proxy's bookkeeping: each request streams `token_ids` as one-token
-    chunks (choice 1 fails at its `fail_at`th), and records whether its stream was closed before the end."""
+    chunks (choice 1 fails at its `fail_at`th), the last with `finish_reason`, and records whether its stream
+    was closed before the end."""
 
-    def __init__(self, token_ids: list[int], fail_at: int | None = None) -> None:
+    def __init__(self, token_ids: list[int], fail_at: int | None = None,
+                 finish_reason: FinishReason = FinishReason.LENGTH) -> None:
         self.token_ids = token_ids
         self.fail_at = fail_at
+        self.finish_reason = finish_reason
         self.closed_early: list[str] = []
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -136,7 +139,7 @@ class ScriptedPipeline:
                 if self.fail_at == i and request_id.endswith("-1"):
                     raise NodeError("decode", grpc.StatusCode.DATA_LOSS, "checksum mismatch", retryable=False)
                 last = i == len(self.token_ids) - 1
-                yield TokenChunk([token_id], [{token_id: Logprob(-0.1, 1)}], FinishReason.LENGTH if last else None,
+                yield TokenChunk([token_id], [{token_id: Logprob(-0.1, 1)}], self.finish_reason if last else None,
                                  num_cached_tokens=4 if i == 0 else None)
             done = True
         finally:
@@ -195,3 +198,34 @@ def test_a_choice_that_runs_to_the_end_is_recorded_with_its_finish_reason(tokeni
     assert 'tandem:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
     assert 'tandem:generation_tokens_total{model_name="m"} 3.0' in text
     assert 'tandem:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
+
+
+def _run_letters(tokenizer_dir: Path, letters: list[str], params: SamplingParams,
+                 finish_reason: FinishReason = FinishReason.LENGTH, eos: bool = False
+                 ) -> tuple[ProxyState, ScriptedPipeline, list[ChoiceDelta]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    token_ids = tokenizer.convert_tokens_to_ids(letters) + ([tokenizer.eos_token_id] if eos else [])
+    pipeline = ScriptedPipeline(token_ids, finish_reason=finish_reason)
+    state = _state(tokenizer_dir, pipeline)
+
+    async def run() -> list[ChoiceDelta]:
+        return [d async for d in generate(state, "r", fan_out([[1, 2]], params), 0.0)]
+
+    return state, pipeline, asyncio.run(run())
+
+
+def test_the_eos_text_is_not_shown_even_without_skipping_special_tokens(tokenizer_dir: Path) -> None:
+    state, _, deltas = _run_letters(tokenizer_dir, ["A", "B"], SamplingParams(skip_special_tokens=False),
+                                    FinishReason.STOP, eos=True)
+    assert "".join(d.text for d in deltas) == "AB" and deltas[-1].finish_reason == "stop"
+    assert sum(d.num_tokens for d in deltas) == 3  # the EOS token is generated, and counted
+
+
+def test_a_stop_string_ends_the_choice_and_closes_its_pipeline_stream(tokenizer_dir: Path) -> None:
+    state, pipeline, deltas = _run_letters(tokenizer_dir, ["A", "B", "C", "D", "E"], SamplingParams(stop="BC"))
+    assert "".join(d.text for d in deltas) == "A" and deltas[-1].finish_reason == "stop"
+    assert [d.text for d in deltas] == ["A", "", ""]  # "B" might have begun "BC": held back, then cut
+    assert sum(d.num_tokens for d in deltas) == 3 and pipeline.closed_early == ["r-0"]
+    assert 'tandem:request_success_total{finished_reason="stop",model_name="m"} 1.0' in state.metrics.render().decode()
