@@ -101,11 +101,16 @@ class OutputProcessor:
     optional cache of decode_token results that callers may share between requests of one tokenizer.
     """
 
-    def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], params: SamplingParams,
+    def __init__(self, tokenizer: TokenizerLike | None, prompt_token_ids: Sequence[int], params: SamplingParams,
                  token_texts: dict[int, str] | None = None) -> None:
+        """Without a tokenizer (an engine started with skip_tokenizer_init) the output is token ids only."""
+        if tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine was started with skip_tokenizer_init")
         self._tokenizer = tokenizer
         self._params = params
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._detokenizer: IncrementalDetokenizer | _NoText = (
+            _NoText() if tokenizer is None else
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens))
         self._stop_strings = _StopStrings(list(params.stop or []), params.include_stop_str_in_output)
         self._token_texts = token_texts if token_texts is not None else {}
         self._text = ""  # the output text: the detokenizer's, cut at a stop string
@@ -185,6 +190,7 @@ class OutputProcessor:
         """One token's text on its own, as Logprob.decoded_token shows it (cached in token_texts)."""
         text = self._token_texts.get(token_id)
         if text is None:
+            assert self._tokenizer is not None, "token texts need a tokenizer"
             text = self._token_texts[token_id] = decode_token(self._tokenizer, token_id)
         return text
 
@@ -199,5 +205,19 @@ class OutputProcessor:
         return delta
 
     def _with_decoded_tokens(self, logprobs: PositionLogprobs) -> PositionLogprobs:
+        if self._tokenizer is None:
+            return logprobs
         return {token_id: replace(logprob, decoded_token=self.token_text(token_id))
                 for token_id, logprob in logprobs.items()}
+
+
+class _NoText:
+    """The detokenizer of an output without a tokenizer: no text at all."""
+
+    text = ""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

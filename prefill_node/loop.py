@@ -110,7 +110,11 @@ class PrefillLoop:
             await self.engine.call(lambda e: e.free_pinned(request_id))
             return PrefillResult(dataclasses.replace(first, finish_reason=finished), None, num_cached)
         ticket_id = f"{self.node_id}:{request_id}:{uuid.uuid4().hex[:8]}"
-        ticket = await self.engine.call(lambda e: self._lease(e, ticket_id, request_id))
+        try:
+            ticket = await self.engine.call(lambda e: self._lease(e, ticket_id, request_id))
+        except asyncio.CancelledError:  # the lease is still made on the engine thread: undo it behind it
+            await asyncio.shield(self.abort(request_id))
+            raise
         return PrefillResult(dataclasses.replace(first, finish_reason=None, stop_reason=None), ticket,
                              num_cached)
 
