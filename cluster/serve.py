@@ -224,15 +224,20 @@ async def _start_pools(pools: PoolManager, stop: asyncio.Event) -> bool:
 
 def _start_proxy(config: ServeConfig, model: Path, served_model_name: str, registry_url: str, log_dir: Path,
                  children: list[Child]) -> Child:
-    command = [sys.executable, "-m", "proxy", "--registry", registry_url, "--model", str(model),
-               "--served-model-name", served_model_name, "--host", config.host, "--port", str(config.port),
-               "--log-level", "warning", *to_args(config.cluster.hashing), *shlex.split(config.proxy_args)]
+    command = proxy_command(config, model, served_model_name, registry_url)
     # the key goes in the environment, not on a command line others can read
     env = child_environment({API_KEY_VAR: config.api_key} if config.api_key else None,
                             remove=() if config.api_key else (API_KEY_VAR,))
     proxy = Child.start("proxy", command, log_dir / "proxy.log", env)
     children.append(proxy)
     return proxy
+
+
+def proxy_command(config: ServeConfig, model: Path, served_model_name: str, registry_url: str) -> list[str]:
+    """The proxy hashes prompts' prefixes with the cluster's block size and seed, as the nodes do."""
+    return [sys.executable, "-m", "proxy", "--registry", registry_url, "--model", str(model),
+            "--served-model-name", served_model_name, "--host", config.host, "--port", str(config.port),
+            "--log-level", "warning", *to_args(config.cluster.hashing), *shlex.split(config.proxy_args)]
 
 
 async def _wait_until_healthy(proxy: Child, config: ServeConfig, stop: asyncio.Event) -> bool:

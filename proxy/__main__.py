@@ -17,7 +17,7 @@ from settings import env as environment
 from settings.spec import flatten
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m proxy", description=__doc__)
     add_routing_args(parser)  # --prefill/--decode/--registry, --routing
     # the cluster's prefix hashing, declared with the nodes' (settings.cluster): the prefix index hashes as they do
@@ -34,11 +34,17 @@ def main() -> None:
     parser.add_argument("--max-num-requests", type=int, default=None,
                         help="choices in flight at this proxy before it answers 429 (default: no limit)")
     parser.add_argument("--log-level", default="info")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
-        vars(args).update(flatten(resolve(HashingSettings, vars(args), environment.settings_layer(), TREE_KEYS)))
+        args.hashing = resolve(HashingSettings, vars(args), environment.settings_layer(), TREE_KEYS)
     except ConfigError as e:
         parser.error(str(e))
+    vars(args).update(flatten(args.hashing))
+    return parser, args
+
+
+def main() -> None:
+    parser, args = parse_args()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = Path(args.model)
     pipeline = pipeline_from_args(parser, args)
