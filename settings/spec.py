@@ -126,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, config_flag: bo
         parser.add_argument("--config", default=None, metavar="FILE",
                             help=f"YAML file of settings (or ${CONFIG_ENV_VAR}); flags beat it, it beats env vars")
     for s in settings_of(cls):
-        default = "" if s.default is None else f", default {s.default}"
+        default = "" if s.default in (None, "") else f", default {s.default}"
         parser.add_argument(s.flag, dest=s.name, default=None, help=f"{s.help} [{s.env_var}{default}]",
                             type=s.kind, choices=s.choices, metavar=s.metavar)
 

@@ -212,3 +212,13 @@ def test_settings_flatten_and_build_round_trip() -> None:
     config = serve_config(*CHOSEN, "--decode-nodes", "3")
     assert resolve(ServeConfig, flatten(config), {}, TREE_KEYS) == config
     assert to_args(config.cluster.hashing) == ["--block-size", "8", "--hash-seed", "s1"]
+
+
+def test_the_settings_package_imports_no_torch_and_no_serving_package() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, settings, settings.env; "
+            "bad = {'torch', 'ray', 'redis', 'grpc', 'cluster', 'proxy', 'node_common', 'kvtransfer'} & "
+            "{name.split('.')[0] for name in sys.modules}; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True)
