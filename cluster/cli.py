@@ -20,8 +20,9 @@ from typing import Any
 
 import httpx
 
-from cluster.config import ConfigError, add_serve_args, resolve
 from cluster.state import read_state, state_path
+from settings import TREE_KEYS, ConfigError, ServeConfig, add_arguments, resolve
+from settings import env as environment
 
 
 class CLIError(Exception):
@@ -33,17 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="run a cluster: proxy, prefill and decode pools on Ray",
                                        description="Settings: CLI flag > YAML --config > TANDEM_* env > default.")
-    add_serve_args(serve_parser)
-    serve_parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
+    add_arguments(serve_parser, ServeConfig)
+    serve_parser.add_argument("--log-level", default=environment.log_level())
     status_parser = commands.add_parser("status", help="pool sizes of the running cluster")
     status_parser.add_argument("--json", action="store_true", help="print the admin API's JSON")
     scale_parser = commands.add_parser("scale", help="resize the pools (removed nodes drain first)")
     scale_parser.add_argument("--prefill", type=int, default=None, help="desired prefill nodes")
     scale_parser.add_argument("--decode", type=int, default=None, help="desired decode nodes")
     for sub in (status_parser, scale_parser):
-        sub.add_argument("--admin-url", default=os.environ.get("TANDEM_ADMIN_URL"),
+        sub.add_argument("--admin-url", default=environment.admin_url(),
                          help="admin API of a remote cluster (default: the local one's, from its state file)")
-        sub.add_argument("--token", default=os.environ.get("TANDEM_ADMIN_TOKEN"), help="its admin token")
+        sub.add_argument("--token", default=environment.admin_token(), help="its admin token")
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
@@ -61,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
-    config = resolve(vars(args))
+    config = resolve(ServeConfig, vars(args), environment.settings_layer(), TREE_KEYS)
     try:
         serve(config)
     except ServeError as e:

@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +40,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from redis.exceptions import RedisError
 
 from node_common.registry import node_key
+from settings import ClusterSettings, to_args
+from settings.env import child_environment
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,9 +63,9 @@ class NodeLaunch:
     """What every node of the cluster runs with (the role and the id vary per node)."""
 
     model: str
-    dtype: str
-    kv_backend: str
     registry_url: str
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)  # handed to every node as flags
+    environment: Mapping[str, str] = field(default_factory=dict)  # transport variables the processes start with
     tp: int = 1
     cpus_per_node: float = 0.5
     use_gpus: bool = False
@@ -80,9 +82,15 @@ def placement_bundles(tp: int, use_gpus: bool, cpus_per_node: float) -> list[dic
 
 
 def node_command(launch: NodeLaunch, role: str, node_id: str, host: str, port: int) -> list[str]:
-    return [sys.executable, "-m", f"{role}_node", "--model", launch.model, "--dtype", launch.dtype,
-            "--kv-backend", launch.kv_backend, "--host", host, "--port", str(port), "--node-id", node_id,
-            "--registry", launch.registry_url, *launch.extra_args]
+    return [sys.executable, "-m", f"{role}_node", "--model", launch.model, *to_args(launch.cluster),
+            "--host", host, "--port", str(port), "--node-id", node_id, "--registry", launch.registry_url,
+            *launch.extra_args]
+
+
+def node_environment(launch: NodeLaunch) -> dict[str, str]:
+    """The node process's environment: the actor's, plus the transport variables the launch names (nothing
+    forced: UCX on a real cluster keeps its InfiniBand modules)."""
+    return child_environment(launch.environment)
 
 
 class NodeProcess:
@@ -106,14 +114,11 @@ class NodeProcess:
         log_dir = Path(self.launch.log_dir) if self.launch.log_dir else Path.cwd()
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{self.node_id}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
-        if self.launch.bind_loopback:
-            env["UCX_NET_DEVICES"] = "lo"
-        env.pop("TRITON_INTERPRET", None)  # a test harness's setting, not the nodes'
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(node_command(self.launch, self.role, self.node_id, host, port),
                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=env, start_new_session=True, preexec_fn=die_with_parent)
+                                          env=node_environment(self.launch), start_new_session=True,
+                                          preexec_fn=die_with_parent)
         return f"{host}:{port}"
 
     def state(self) -> tuple[str, int | None]:
@@ -184,12 +189,15 @@ class PoolManager:
     """The prefill and decode pools: desired sizes, the nodes, and the reconcile step that joins them."""
 
     def __init__(self, launch: NodeLaunch, desired: dict[str, int], startup_timeout_s: float = 300.0,
-                 drain_timeout_s: float = 120.0) -> None:
+                 resources: Callable[[], Mapping[str, float]] | None = None) -> None:
+        """`resources`: what the cluster has to place nodes on (default: Ray's, once Ray is up)."""
         assert set(desired) == set(ROLES), f"desired sizes for {ROLES}, got {sorted(desired)}"
         self.launch = launch
         self.desired = dict(desired)
         self.startup_timeout_s = startup_timeout_s
-        self.drain_timeout_s = drain_timeout_s
+        # the node drains for --drain-timeout (the same setting); the pool waits a margin more before killing it
+        self.drain_timeout_s = launch.cluster.drain_timeout
+        self._resources = resources or (lambda: ray.cluster_resources() if ray.is_initialized() else {})
         self.nodes: list[Node] = []
         self._ids = itertools.count()
         self._actor_class = ray.remote(max_restarts=0)(NodeProcess)
@@ -213,10 +221,10 @@ class PoolManager:
         logger.info("desired pool sizes: %s", self.desired)
 
     def room(self) -> int | None:
-        """How many nodes the Ray cluster's resources hold in all (None before Ray is up)."""
-        if not ray.is_initialized():
+        """How many nodes the cluster's resources hold in all (None while it has none: Ray is not up)."""
+        resources = self._resources()
+        if not resources:
             return None
-        resources = ray.cluster_resources()
         bundles = placement_bundles(self.launch.tp, self.launch.use_gpus, self.launch.cpus_per_node)
         need = {name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")}
         return min(int(resources.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0)

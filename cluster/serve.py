@@ -14,7 +14,6 @@ Then the control loop keeps each pool at its desired size until SIGINT/SIGTERM.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -34,11 +33,12 @@ import ray
 import uvicorn
 
 from cluster.admin import AdminServer, bind_admin_socket, create_admin_app, new_token
-from cluster.config import ServeConfig
 from cluster.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from cluster.pools import NodeLaunch, NodeState, PoolManager, die_with_parent, free_port
 from cluster.progress import Progress
 from cluster.state import ClusterState, cache_dir, remove_state, write_state
+from settings import ServeConfig, to_args
+from settings.env import API_KEY_VAR, child_environment
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ class Child:
     def start(cls, name: str, command: list[str], log_path: Path, env: dict[str, str] | None = None) -> Child:
         with log_path.open("wb") as log:
             popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True, preexec_fn=die_with_parent)
+                                     env=env if env is not None else child_environment(), start_new_session=True,
+                                     preexec_fn=die_with_parent)
         return cls(name, popen, log_path)
 
     def log_tail(self, num_chars: int = 3000) -> str:
@@ -108,12 +109,15 @@ def serve(config: ServeConfig) -> None:
                 ray.init(address=config.ray_address, namespace="tandem", log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ServeError(f"cannot start or join Ray at {config.ray_address!r}: {e}") from None
-        launch = NodeLaunch(model=str(model.resolve()), dtype=config.dtype, kv_backend=config.kv_backend,
-                            registry_url=registry_url, tp=config.tp, cpus_per_node=config.node_cpus,
-                            use_gpus=ray.cluster_resources().get("GPU", 0) > 0, bind_loopback=local,
-                            extra_args=tuple(shlex.split(config.node_args)), log_dir=str(log_dir))
-        pools = PoolManager(launch, {"prefill": 0, "decode": 0}, startup_timeout_s=config.startup_timeout,
-                            drain_timeout_s=config.drain_timeout)
+        # the cluster-wide settings go to every node as flags (and the hashing ones to the proxy); a cluster on
+        # one machine takes the loopback transport unless the user chose one
+        launch = NodeLaunch(model=str(model.resolve()), registry_url=registry_url,
+                            cluster=config.node_settings(on_one_machine=local),
+                            environment=config.node_environment(on_one_machine=local), tp=config.tp,
+                            cpus_per_node=config.node_cpus, use_gpus=ray.cluster_resources().get("GPU", 0) > 0,
+                            bind_loopback=local, extra_args=tuple(shlex.split(config.node_args)),
+                            log_dir=str(log_dir))
+        pools = PoolManager(launch, {"prefill": 0, "decode": 0}, startup_timeout_s=config.startup_timeout)
         try:
             pools.scale({"prefill": config.prefill_nodes, "decode": config.decode_nodes})
         except ValueError as e:
@@ -220,16 +224,20 @@ async def _start_pools(pools: PoolManager, stop: asyncio.Event) -> bool:
 
 def _start_proxy(config: ServeConfig, model: Path, served_model_name: str, registry_url: str, log_dir: Path,
                  children: list[Child]) -> Child:
-    command = [sys.executable, "-m", "proxy", "--registry", registry_url, "--model", str(model),
-               "--served-model-name", served_model_name, "--host", config.host, "--port", str(config.port),
-               "--log-level", "warning", *proxy_hashing_args(config.node_args), *shlex.split(config.proxy_args)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("TANDEM_API_KEY", None)
-    if config.api_key:
-        env["TANDEM_API_KEY"] = config.api_key  # in the environment, not on a command line others can read
+    command = proxy_command(config, model, served_model_name, registry_url)
+    # the key goes in the environment, not on a command line others can read
+    env = child_environment({API_KEY_VAR: config.api_key} if config.api_key else None,
+                            remove=() if config.api_key else (API_KEY_VAR,))
     proxy = Child.start("proxy", command, log_dir / "proxy.log", env)
     children.append(proxy)
     return proxy
+
+
+def proxy_command(config: ServeConfig, model: Path, served_model_name: str, registry_url: str) -> list[str]:
+    """The proxy hashes prompts' prefixes with the cluster's block size and seed, as the nodes do."""
+    return [sys.executable, "-m", "proxy", "--registry", registry_url, "--model", str(model),
+            "--served-model-name", served_model_name, "--host", config.host, "--port", str(config.port),
+            "--log-level", "warning", *to_args(config.cluster.hashing), *shlex.split(config.proxy_args)]
 
 
 async def _wait_until_healthy(proxy: Child, config: ServeConfig, stop: asyncio.Event) -> bool:
@@ -249,16 +257,6 @@ async def _wait_until_healthy(proxy: Child, config: ServeConfig, stop: asyncio.E
                 raise ServeError(f"the proxy is not healthy after 120 s:\n{proxy.log_tail()}")
             if await _first(stop.wait(), timeout=0.2):
                 return False
-
-
-def proxy_hashing_args(node_args: str) -> list[str]:
-    """The nodes' block size and prefix-hash seed, for the proxy: its prefix index must hash as they do."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--block-size")
-    parser.add_argument("--hash-seed")
-    known, _ = parser.parse_known_args(shlex.split(node_args))
-    return [*(["--block-size", known.block_size] if known.block_size else []),
-            *(["--hash-seed", known.hash_seed] if known.hash_seed else [])]
 
 
 async def _first(*waits: Coroutine[Any, Any, Any], timeout: float) -> bool:

@@ -12,13 +12,12 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from settings import env as environment
+
 
 def cache_dir() -> Path:
     """$TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else ~/.cache/tandem."""
-    if os.environ.get("TANDEM_CACHE_DIR"):
-        return Path(os.environ["TANDEM_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem"
+    return environment.cache_dir()
 
 
 def state_path() -> Path:

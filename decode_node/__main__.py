@@ -10,7 +10,7 @@ from decode_node.service import DecodeService
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from node_common.kv import kv_layout, open_connector
-from node_common.options import add_node_args, engine_config, node_id
+from node_common.options import add_node_args, engine_config, node_id, parse_node_args
 from node_common.registry import NodeIdentity, Role, advertised_address
 from node_common.server import run_node, setup_logging
 from protos import tandem_pb2_grpc
@@ -19,11 +19,11 @@ from protos import tandem_pb2_grpc
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m decode_node", description=__doc__)
     add_node_args(parser)
-    args = parser.parse_args()
+    args = parse_node_args(parser)
     setup_logging(args.log_level)
     name = node_id(args, "decode")
     engine = LLMEngine(engine_config(args))
-    connector, region, _ = open_connector(engine, args.kv_backend, args.host, name)
+    connector, region, _ = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
     async_engine = AsyncEngine(engine)
     async_engine.add_ticker(lambda _: connector.progress())
     layout_hash = kv_layout(engine).layout_hash

@@ -44,13 +44,12 @@ __all__ = [
 def make_connector(name: str, *, layout: KVLayout, agent_name: str | None = None, read_timeout_s: float = 30.0,
                    host: str = "127.0.0.1", **backend_options: Any) -> Connector:
     """A connector of backend `name` ("nixl" or "mooncake"). `host` is the address peers reach this node on
-    (Mooncake's RPC address; for NIXL a loopback host also pins UCX to `lo`). `backend_options` go to the
-    backend (Mooncake: `protocol="tcp"|"rdma"`)."""
+    (Mooncake's RPC address; NIXL's UCX picks its devices from `ucx_devices`). `backend_options` go to the
+    backend (NIXL: `ucx_devices="lo"`; Mooncake: `protocol="tcp"|"rdma"`)."""
     if name == "nixl":
         from kvtransfer.nixl import NixlConnector
 
-        return NixlConnector(layout=layout, agent_name=agent_name, read_timeout_s=read_timeout_s, host=host,
-                             **backend_options)
+        return NixlConnector(layout=layout, agent_name=agent_name, read_timeout_s=read_timeout_s, **backend_options)
     if name == "mooncake":
         from kvtransfer.mooncake import MooncakeConnector
 

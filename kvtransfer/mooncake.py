@@ -18,8 +18,10 @@ How it maps the contract (mooncake-transfer-engine 0.3.13.post1, `from mooncake.
 Everything is validated before it reaches the library: bad input can abort the process instead of raising.
 Caveats: the engine listens on all interfaces whatever `host` says (0.3.13 has no bind setting for its RPC and
 data ports); a read that times out on our side keeps running until the library's own timeout
-(`MC_TRANSFER_TIMEOUT`, set from `read_timeout_s` when unset, at least 5 s), so its local blocks stay busy until
-then; `close()` waits for running reads before it destroys the engine.
+(`MC_TRANSFER_TIMEOUT`, 30 s unless the launcher starts the process with another), so its local blocks stay busy
+until then; `close()` waits for running reads before it destroys the engine. The library reads its settings
+(`MC_TRANSFER_TIMEOUT`, `MC_LOG_LEVEL`, ...) from the process environment only: that is the launcher's to set
+(`tandem serve --transport-env`), never this module's.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ import base64
 import binascii
 import json
 import logging
-import math
-import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -76,8 +76,6 @@ class MooncakeConnector(BlockConnector):
             raise InvalidRequestError(f"host must be an IPv4 address or host name, got {host!r}")
         if protocol not in PROTOCOLS:
             raise InvalidRequestError(f"protocol must be one of {sorted(PROTOCOLS)}, got {protocol!r}")
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, math.ceil(read_timeout_s))))
-        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         try:
             from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
         except ImportError as e:

@@ -13,15 +13,16 @@ How it maps the contract (NIXL 1.5.1, `from nixl._api import nixl_agent`):
 No progress thread (it busy-polls a core) and no listener thread (metadata travels in our envelopes): the owning
 loop calls `progress()`, which the memory owner must do for a peer's first read to complete.
 
-Environment, set (if unset) before the agent is created: `NIXL_LOG_LEVEL=WARN`; and, only when the connector is
-bound to a loopback host, `UCX_NET_DEVICES=lo` and `UCX_MODULES=^ib` (with Debian's ibverbs providers installed,
-every UCX process crashes at exit without it). On a real cluster leave UCX to pick the NICs.
+Transport settings come in through the API, never through `os.environ`: `ucx_devices` is the UCX backend's own
+parameter (UCX_NET_DEVICES' equivalent; None lets UCX pick the NICs, as a real cluster wants; "lo" for one
+machine). What UCX and NIXL read only from the environment (UCX_MODULES, UCX_TLS, NIXL_LOG_LEVEL...) is the
+launcher's to set when it starts the process: `tandem serve` starts single-machine nodes with `UCX_MODULES=^ib`
+(with Debian's ibverbs providers installed, every UCX process crashes at exit without it), tests likewise.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,21 +31,16 @@ import numpy as np
 from kvtransfer.base import KVRegion, MemoryKind, PeerId, TransferStatus
 from kvtransfer.common import BlockConnector, Peer
 from kvtransfer.descriptors import BlockRuns
-from kvtransfer.errors import BackendError, InvalidMetadataError, PeerDisconnectedError, TransferError
+from kvtransfer.errors import (
+    BackendError,
+    InvalidMetadataError,
+    InvalidRequestError,
+    PeerDisconnectedError,
+    TransferError,
+)
 from kvtransfer.handshake import KVLayout, PeerEnvelope
 
 logger = logging.getLogger(__name__)
-
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-
-
-def prepare_environment(host: str) -> None:
-    """UCX and NIXL read these when the agent is created; explicit settings win."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    if host in LOOPBACK_HOSTS:
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        os.environ.setdefault("UCX_MODULES", "^ib")
-
 
 def block_descriptors(base_address: int, num_blocks: int, block_bytes: int, device_id: int) -> np.ndarray:
     """[num_blocks, 3] uint64 rows (address, length, device id): one descriptor per block."""
@@ -79,20 +75,26 @@ class NixlConnector(BlockConnector):
     supported_memory_kinds = frozenset({MemoryKind.DRAM, MemoryKind.VRAM})
 
     def __init__(self, *, layout: KVLayout, agent_name: str | None = None, read_timeout_s: float = 30.0,
-                 host: str = "127.0.0.1") -> None:
+                 ucx_devices: str | None = None) -> None:
+        """`ucx_devices`: the devices UCX may use ("lo", "mlx5_0:1,mlx5_1:1"); None: all it finds."""
         super().__init__(layout=layout, agent_name=agent_name, read_timeout_s=read_timeout_s)
-        prepare_environment(host)
+        if ucx_devices is not None and (not isinstance(ucx_devices, str) or not ucx_devices.strip()):
+            raise InvalidRequestError(f"ucx_devices must be a non-empty device list or None, got {ucx_devices!r}")
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
             raise BackendError(f"NIXL is not installed ({e}): pip install nixl==1.5.1") from None
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
+        # the UCX backend is created below, with its parameters (the agent config cannot carry them)
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
         try:
             self._agent: Any = nixl_agent(self.agent_name, config)
+            if "UCX" not in self._agent.get_plugin_list():
+                raise BackendError("NIXL's UCX plugin is missing")
+            self._agent.create_backend("UCX", {"ucx_devices": ucx_devices} if ucx_devices else {})
+        except TransferError:
+            raise
         except Exception as e:
-            raise _translate(e, "creating the NIXL agent") from None
-        if "UCX" not in self._agent.backends:
-            raise BackendError("NIXL's UCX plugin did not load")
+            raise _translate(e, "creating the NIXL agent and its UCX backend") from None
         self._registration: Any = None
         self._local_blocks: Any = None
         self._uncancelled: list[Any] = []  # xfer handles NIXL could not cancel yet; released again later

@@ -6,6 +6,7 @@ from engine.llm_engine import LLMEngine
 from kvtransfer import KVLayout, KVRegion, make_connector
 from kvtransfer.base import Connector
 from kvtransfer.ticket import kv_checksum
+from settings.cluster import TransportSettings
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
@@ -22,9 +23,13 @@ def kv_region(engine: LLMEngine) -> KVRegion:
     return KVRegion.from_buffer(engine.runner.kv_cache)
 
 
-def open_connector(engine: LLMEngine, backend: str, host: str, name: str) -> tuple[Connector, KVRegion, bytes]:
-    """Creates the node's connector and registers its KV pool; returns (connector, region, metadata)."""
-    connector = make_connector(backend, layout=kv_layout(engine), agent_name=name, host=host)
+def open_connector(engine: LLMEngine, backend: str, host: str, name: str,
+                   transport: TransportSettings | None = None) -> tuple[Connector, KVRegion, bytes]:
+    """Creates the node's connector with the cluster's transport settings and registers its KV pool; returns
+    (connector, region, metadata)."""
+    transport = transport or TransportSettings()
+    connector = make_connector(backend, layout=kv_layout(engine), agent_name=name, host=host,
+                               **transport.connector_options(backend))
     region = kv_region(engine)
     return connector, region, connector.register(region)
 

@@ -1,42 +1,61 @@
-"""Command-line options both node kinds take, and the EngineConfig they make."""
+"""Command-line options both node kinds take, and the EngineConfig they make.
+
+The cluster-wide settings (block size, hash seed, KV backend, dtype, drain timeout, transport) are flags built from
+their one declaration (`settings.cluster.ClusterSettings`), read as everywhere: flag > YAML --config > TANDEM_* env
+> default; `tandem serve` passes them all as flags. The engine flags' defaults are EngineConfig's, the offline
+`LLM(...)`'s.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 
-from engine.config import EngineConfig
+from engine.config import ATTENTION_BACKENDS, EngineConfig
 from node_common.registry import add_registry_args
+from settings import TREE_KEYS, ClusterSettings, ConfigError, add_arguments, resolve
+from settings import env as environment
+from settings.cluster import ENGINE_DEFAULTS
+from settings.spec import flatten
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (gRPC and KV transfer)")
     parser.add_argument("--port", type=int, required=True, help="gRPC port")
     parser.add_argument("--node-id", default=None, help="defaults to <role>-<hostname>-<port>")
-    parser.add_argument("--kv-backend", default="nixl", choices=["nixl", "mooncake"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hash-seed", default="tandem", help="prefix-hash seed; must match cluster-wide")
-    parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"))
+    add_arguments(parser, ClusterSettings)
+    engine = ENGINE_DEFAULTS
+    parser.add_argument("--max-num-seqs", type=int, default=engine["max_num_seqs"])
+    parser.add_argument("--max-num-batched-tokens", type=int, default=engine["max_num_batched_tokens"])
+    parser.add_argument("--max-model-len", type=int, default=engine["max_model_len"])
+    parser.add_argument("--num-kv-blocks", type=int, default=engine["num_kv_blocks"])
+    parser.add_argument("--no-prefix-caching", action="store_true", default=not engine["enable_prefix_caching"])
+    parser.add_argument("--attention-backend", default=engine["attention_backend"], choices=ATTENTION_BACKENDS)
+    parser.add_argument("--seed", type=int, default=engine["seed"])
+    parser.add_argument("--log-level", default=environment.log_level())
     add_registry_args(parser)
+
+
+def parse_node_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses and resolves the cluster settings: `args.cluster` holds them, and each is also `args.<name>`."""
+    args = parser.parse_args(argv)
+    try:
+        args.cluster = resolve(ClusterSettings, vars(args), environment.settings_layer(), TREE_KEYS)
+    except ConfigError as e:
+        parser.error(str(e))
+    vars(args).update(flatten(args.cluster))
+    return args
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     # Nodes see token ids only: the proxy tokenizes and detokenizes.
+    cluster: ClusterSettings = args.cluster
     return EngineConfig(
-        model=args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=args.block_size,
+        model=args.model, dtype=cluster.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=cluster.hashing.block_size,
         enable_prefix_caching=not args.no_prefix_caching, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        attention_backend=args.attention_backend, hash_seed=args.hash_seed, skip_tokenizer_init=True)
+        attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True)
 
 
 def node_id(args: argparse.Namespace, role: str) -> str:

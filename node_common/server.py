@@ -7,7 +7,8 @@ How a node leaves (scale-down, rolling restart) without failing a request:
    just before it left may still send a request (the registry is polled, not pushed).
 3. It then waits until it is idle: no RPC in flight and no request in the engine. On a prefill node that
    includes pinned KV tickets: a decode node is still to pull their blocks and release them, so the KV
-   transfer endpoint and the Release/ExtendLease RPCs must stay up until then. At most `timeout_s`.
+   transfer endpoint and the Release/ExtendLease RPCs must stay up until then. At most `timeout_s`
+   (`--drain-timeout`, which `tandem serve` sets from its own setting: the pool waits that long, plus a margin).
 4. The gRPC server stops with a short grace (anything still in flight gets it), then the engine and the
    connector stop. A second signal skips the wait.
 """
@@ -32,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DrainPolicy:
+    timeout_s: float  # give up waiting for in-flight work after this long (--drain-timeout)
     announce_s: float = 2.0  # keep taking new RPCs this long after on_drain (routers' view lags the registry)
-    timeout_s: float = 120.0  # give up waiting for in-flight work after this long
     grace_s: float = 5.0  # what RPCs still in flight get when the server finally stops
     poll_s: float = 0.05
 
@@ -87,14 +88,13 @@ class InFlightRPCs(grpc.aio.ServerInterceptor):
 
 
 async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], None], host: str, port: int,
-                on_stop: Callable[[], None], on_drain: Callable[[], Awaitable[None]] | None = None,
-                drain: DrainPolicy | None = None) -> None:
+                on_stop: Callable[[], None], drain: DrainPolicy,
+                on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
     """Serves until SIGTERM/SIGINT, then drains (see the module docstring) and stops.
 
     `on_drain` takes the node out of routing (registry); without one nobody can be told, so the node does
     not wait `announce_s` and only lets the work it already has finish.
     """
-    drain = drain or DrainPolicy()
     in_flight = InFlightRPCs()
     server = grpc.aio.server(interceptors=[in_flight],
                              options=[("grpc.max_receive_message_length", 64 << 20),
@@ -163,6 +163,7 @@ def run_node(args: Any, engine: AsyncEngine, identity: NodeIdentity,
         async with registration(args, engine, identity) as registrar:
             # on SIGTERM the node is marked draining in the registry first, so the proxy stops choosing it
             await serve(engine, add_services, args.host, args.port, on_stop,
+                        DrainPolicy(timeout_s=args.cluster.drain_timeout),
                         on_drain=registrar.set_draining if registrar is not None else None)
 
     asyncio.run(run())

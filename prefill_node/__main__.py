@@ -9,7 +9,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, PinnedBlocks
 from kvtransfer.ticket import KVTicket, kv_checksum
 from node_common.kv import block_checksums, kv_layout, open_connector
-from node_common.options import add_node_args, engine_config, node_id
+from node_common.options import add_node_args, engine_config, node_id, parse_node_args
 from node_common.registry import NodeIdentity, Role, advertised_address
 from node_common.server import run_node, setup_logging
 from prefill_node.loop import PrefillLoop
@@ -24,12 +24,12 @@ def main() -> None:
     add_node_args(parser)
     parser.add_argument("--lease-seconds", type=float, default=30.0,
                         help="how long pinned blocks wait for a decode node to pull them")
-    args = parser.parse_args()
+    args = parse_node_args(parser)
     setup_logging(args.log_level)
     name = node_id(args, "prefill")
     engine = LLMEngine(engine_config(args))
     layout_hash = kv_layout(engine).layout_hash
-    connector, region, metadata = open_connector(engine, args.kv_backend, args.host, name)
+    connector, region, metadata = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
 
     def make_ticket(ticket_id: str, pinned: PinnedBlocks, deadline: float) -> KVTicket:
         blocks = list(pinned.block_ids)

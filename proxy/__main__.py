@@ -1,11 +1,10 @@
 """python -m proxy (--registry redis://HOST:PORT | --prefill HOST:PORT --decode HOST:PORT) --model DIR
-[--port 8000] [--api-key KEY] [--routing prefix_load|round_robin] [--block-size N --hash-seed S]"""
+[--port 8000] [--api-key KEY] [--routing prefix_load|round_robin] [--block-size N --hash-seed S] [--config FILE]"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
 import uvicorn
@@ -13,24 +12,39 @@ import uvicorn
 from engine.tokenizer import load_tokenizer
 from proxy.app import ProxyState, create_app, read_max_model_len
 from proxy.pd import add_routing_args, pipeline_from_args
+from settings import TREE_KEYS, ConfigError, HashingSettings, add_arguments, resolve
+from settings import env as environment
+from settings.spec import flatten
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m proxy", description=__doc__)
-    add_routing_args(parser)  # --prefill/--decode/--registry, --routing and the cluster's hashing
+    add_routing_args(parser)  # --prefill/--decode/--registry, --routing
+    # the cluster's prefix hashing, declared with the nodes' (settings.cluster): the prefix index hashes as they do
+    add_arguments(parser, HashingSettings)
     parser.add_argument("--model", required=True, help="model directory (for its tokenizer and context length)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+    parser.add_argument("--api-key", default=environment.api_key(),
                         help="clients must send 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY; none: open)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-requests", type=int, default=None,
                         help="choices in flight at this proxy before it answers 429 (default: no limit)")
     parser.add_argument("--log-level", default="info")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    try:
+        args.hashing = resolve(HashingSettings, vars(args), environment.settings_layer(), TREE_KEYS)
+    except ConfigError as e:
+        parser.error(str(e))
+    vars(args).update(flatten(args.hashing))
+    return parser, args
+
+
+def main() -> None:
+    parser, args = parse_args()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = Path(args.model)
     pipeline = pipeline_from_args(parser, args)

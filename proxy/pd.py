@@ -213,8 +213,6 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
                         choices=[p.value for p in RoutingPolicy],
                         help="prefix_load: prefix hits and load, colocating short prompts on D; round_robin: nodes "
                              "in turn, always disaggregated")
-    parser.add_argument("--block-size", type=int, default=16, help="the cluster's KV block size (as the nodes')")
-    parser.add_argument("--hash-seed", default="tandem", help="the cluster's prefix-hash seed (as the nodes')")
     parser.add_argument("--colocate-max-tokens", type=int, default=RouterConfig.colocate_max_tokens,
                         help="uncached prompt tokens an idle decode node prefills itself (0: always disaggregate)")
     parser.add_argument("--max-retries", type=int, default=2,

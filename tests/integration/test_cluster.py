@@ -2,13 +2,16 @@
 
 One cluster for the module (starting one costs most of the time): it answers OpenAI requests, `tandem status`
 finds it through the state file, and the decode pool scales up and back down while streaming requests run,
-with none failing.
+with none failing. Every test leaves that cluster as it found it (one prefill and one decode node), so each passes
+alone and in any order: the test that kills a node kills one it added, and the test that stops `tandem serve`
+stops a cluster of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -19,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +42,11 @@ NODE_ARGS = "--num-kv-blocks 640 --max-num-seqs 16 --log-level INFO"
 # round robin spreads requests over both decode nodes, always disaggregated (the KV moves from P to D)
 PROXY_ARGS = "--routing round_robin"
 LONG_TOKENS = 2000  # a request that is sure to be running when its node is told to leave
+# `tandem serve` gives its local Ray every CPU; a power of two per node makes the room exact arithmetic, and at
+# most 64 nodes whatever the machine (the admin API's own bound is 256)
+CPUS = os.cpu_count() or 1
+NODE_CPUS = 2.0 ** max(-1, math.ceil(math.log2(CPUS / 64)))
+ROOM = int(CPUS // NODE_CPUS)
 
 
 @dataclass
@@ -76,16 +85,23 @@ class LocalCluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with local_cluster(tiny_model("llama", max_position_embeddings=2048), tmp_path_factory.mktemp("tandem")) as c:
+        yield c
+
+
+@contextmanager
+def local_cluster(model: Path, cache_dir: Path, *flags: str) -> Iterator[LocalCluster]:
+    """`tandem serve` with one prefill and one decode node (unless `flags` say otherwise), stopped on exit."""
     assert Path(TANDEM).exists(), "the `tandem` command is missing: pip install -e ."
-    cache_dir = tmp_path_factory.mktemp("tandem-cache")
     port = free_port()
+    # PYTHONPATH: the `tandem` script, Ray's workers and the nodes run this checkout's code, as `python -m` does
     env = {**os.environ, "TANDEM_CACHE_DIR": str(cache_dir), "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
-           "TANDEM_NODE_ARGS": NODE_ARGS, "TANDEM_PROXY_ARGS": PROXY_ARGS}
+           "TANDEM_NODE_ARGS": NODE_ARGS, "TANDEM_PROXY_ARGS": PROXY_ARGS,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("TANDEM_ADMIN_URL", None)
     log_path = cache_dir / "serve.log"
-    model = tiny_model("llama", max_position_embeddings=2048)
     command = [TANDEM, "serve", "--model", str(model), "--port", str(port), "--served-model-name", "tiny",
-               "--dtype", "float32", "--drain-timeout", "30"]
+               "--dtype", "float32", "--drain-timeout", "30", "--node-cpus", str(NODE_CPUS), *flags]
     with log_path.open("wb") as log:
         popen = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
@@ -206,8 +222,9 @@ def test_status_finds_the_cluster_through_its_private_state_file(cluster: LocalC
     assert httpx.get(state["admin_url"] + "/status").status_code == 401  # the token is required
     human = cluster.cli("status")
     assert human.returncode == 0 and "decode" in human.stdout
-    too_many = cluster.cli("scale", "--decode", "50")  # this machine has room for 2 / --node-cpus nodes
-    assert too_many.returncode == 2 and "do not fit on this machine" in too_many.stderr
+    too_many = cluster.cli("scale", "--decode", str(ROOM))  # with the prefill node, one more than there is room for
+    assert too_many.returncode == 2, too_many.stderr
+    assert f"{ROOM + 1} nodes do not fit on this machine: it has room for {ROOM}" in too_many.stderr
     assert cluster.status()["pools"]["decode"]["desired"] == 1
 
 
@@ -240,20 +257,30 @@ def test_decode_pool_scales_up_and_down_while_requests_stream_and_none_fails(clu
 
 
 def test_a_node_that_dies_is_replaced(cluster: LocalCluster) -> None:
-    dead = next(n for n in cluster.status()["nodes"] if n["role"] == "decode")
-    os.kill(_pid_of(dead["node_id"], cluster.model), signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while dead["node_id"] in {n["node_id"] for n in cluster.status()["nodes"]}:
-        assert time.monotonic() < deadline, "the dead node is still listed"
-        time.sleep(0.3)
+    # the node to kill is one this test adds (and the pool goes back to one decode node at the end)
     cluster.wait_for_pools(1, 1)
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{cluster.url}/health").status_code != 200:  # the proxy polls the registry
-        assert time.monotonic() < deadline, "the proxy does not see the new node"
-        time.sleep(0.1)
-    with Load(cluster.url, num_threads=1, once=True) as load:
-        pass
-    assert load.failures == [] and load.num_ok == 1
+    before = {n["node_id"] for n in cluster.status()["nodes"]}
+    assert cluster.cli("scale", "--decode", "2").returncode == 0
+    try:
+        added = next(n for n in cluster.wait_for_pools(1, 2)["nodes"] if n["node_id"] not in before)
+        os.kill(_pid_of(added["node_id"], cluster.model), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while added["node_id"] in {n["node_id"] for n in cluster.status()["nodes"]}:
+            assert time.monotonic() < deadline, "the dead node is still listed"
+            time.sleep(0.3)
+        replacement = next(n for n in cluster.wait_for_pools(1, 2)["nodes"]
+                           if n["node_id"] not in before | {added["node_id"]})
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{cluster.url}/health").status_code != 200:  # the proxy polls the registry
+            assert time.monotonic() < deadline, "the proxy does not see the new node"
+            time.sleep(0.1)
+        with Load(cluster.url, num_threads=2, once=True) as load:  # round robin: one request on each decode node
+            pass
+        assert load.failures == [] and load.num_ok == 2
+        assert num_running(replacement["address"]) == 0  # it serves (and finished its request)
+    finally:
+        cluster.cli("scale", "--decode", "1")
+        cluster.wait_for_pools(1, 1, timeout=60)
 
 
 def _pid_of(node_id: str, model: Path) -> int:
@@ -269,12 +296,16 @@ def _pid_of(node_id: str, model: Path) -> int:
     raise LookupError(node_id)
 
 
-def test_stopping_serve_removes_the_state_file_and_every_process(cluster: LocalCluster) -> None:
-    addresses = [n["address"] for n in cluster.status()["nodes"]]
-    _stop(cluster.popen)
-    assert cluster.popen.returncode == 0, cluster.log()[-3000:]
-    assert not (cluster.cache_dir / "cluster.json").exists()
-    for address in [*addresses, cluster.url.removeprefix("http://")]:
+def test_stopping_serve_removes_the_state_file_and_every_process(tiny_model: TinyModelFactory,
+                                                                 tmp_path: Path) -> None:
+    # a cluster of its own (one node is enough): stopping the module's would fail every test that runs after this
+    with local_cluster(tiny_model("llama", max_position_embeddings=2048), tmp_path, "--decode-nodes", "0") as own:
+        addresses = [n["address"] for n in own.wait_for_pools(1, 0)["nodes"]]
+        assert len(addresses) == 1
+        _stop(own.popen)
+        assert own.popen.returncode == 0, own.log()[-3000:]
+    assert not (own.cache_dir / "cluster.json").exists()
+    for address in [*addresses, own.url.removeprefix("http://")]:
         host, port = address.rsplit(":", 1)
         with pytest.raises(OSError):
             socket.create_connection((host, int(port)), timeout=1).close()

@@ -9,6 +9,7 @@ the objects; the child keeps serving.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -113,14 +114,30 @@ class PeerProcess:
         self._conn.close()
 
 
+def launch_environment(read_timeout_s: float) -> dict[str, str]:
+    """What this launcher starts a peer with (a node's launcher does the same): UCX without its InfiniBand modules
+    (ENV-NOTES: with ibverbs providers installed, NIXL crashes at exit otherwise), and Mooncake's own timeout
+    close to the connector's, so a read abandoned on a hung peer does not hold its blocks for 30 s."""
+    return {"UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN",
+            "MC_TRANSFER_TIMEOUT": str(max(5, math.ceil(read_timeout_s)))}
+
+
+def transport_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "MC_"))}
+
+
 def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, seed: int, layout: dict[str, Any],
           read_timeout_s: float, env: dict[str, str]) -> None:
     logging.basicConfig(level=logging.WARNING)
-    os.environ.update(env)
+    os.environ.update({**launch_environment(read_timeout_s), **env})
     from kvtransfer import KVLayout, KVRegion, PeerId, TransferError, make_connector
+    from settings import TransportSettings
 
     kv = block_pattern(seed, num_blocks, block_bytes)
-    connector = make_connector(backend, layout=KVLayout(**layout), read_timeout_s=read_timeout_s)
+    launched_with = transport_variables()
+    # loopback through the connector's own settings (NIXL: UCX's device list), not through the environment
+    options = TransportSettings(ucx_devices="lo").connector_options(backend)
+    connector = make_connector(backend, layout=KVLayout(**layout), read_timeout_s=read_timeout_s, **options)
     region = KVRegion.from_buffer(kv)
     conn.send(("ok", (connector.register(region), connector.agent_name)))
     inbox: list[tuple[str, bytes]] = []
@@ -158,6 +175,8 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
         "notifications": notifications,
         "blocks": lambda: kv.copy(),
         "checksum": checksum,
+        # what the connector changed in the process environment (a library must leave it alone)
+        "environment_changes": lambda: {k: v for k, v in transport_variables().items() if launched_with.get(k) != v},
         "close": connector.close,
     }
     while True:

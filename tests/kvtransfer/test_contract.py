@@ -279,6 +279,13 @@ def test_read_from_a_closed_peer_fails_quickly(pair: Pair, spawn_peer: Callable[
     assert_both_alive(pair)
 
 
+def test_connectors_leave_the_process_environment_alone(pair: Pair) -> None:
+    # transport settings reach the library through its API; the process environment is the launcher's
+    assert pair.prefill.call("environment_changes") == {}
+    assert pair.decode.call("environment_changes") == {}
+    pair.assert_read_lands([3], [3])  # and the loopback settings given through the API work
+
+
 def test_read_from_a_killed_peer_fails_quickly(pair: Pair, spawn_peer: Callable[..., PeerProcess]) -> None:
     peer = spawn_peer()
     peer_id = pair.decode.call("add_peer", peer.metadata)

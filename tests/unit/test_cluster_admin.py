@@ -15,7 +15,6 @@ from starlette.testclient import TestClient
 from cluster import cli
 from cluster.admin import create_admin_app
 from cluster.pools import NodeLaunch, PoolManager, placement_bundles
-from cluster.serve import proxy_hashing_args
 from cluster.state import ClusterState, read_state, remove_state, state_path, write_state
 
 TOKEN = "secret-token"
@@ -23,7 +22,7 @@ TOKEN = "secret-token"
 
 @pytest.fixture
 def pools() -> PoolManager:
-    launch = NodeLaunch(model="/m", dtype="auto", kv_backend="nixl", registry_url="redis://127.0.0.1:1/0")
+    launch = NodeLaunch(model="/m", registry_url="redis://127.0.0.1:1/0")
     return PoolManager(launch, {"prefill": 1, "decode": 1})
 
 
@@ -62,9 +61,26 @@ def test_scale_refuses_bad_bodies(client: TestClient, pools: PoolManager, body: 
     assert pools.desired == {"prefill": 1, "decode": 1}
 
 
-def test_placement_has_one_bundle_per_tensor_parallel_rank() -> None:
+def test_a_node_is_placed_on_a_share_of_the_cpus_or_on_a_gpu() -> None:
+    # one bundle per tensor-parallel rank; the engine has no tensor parallelism yet, so tp is 1 (see below)
     assert placement_bundles(1, use_gpus=False, cpus_per_node=0.5) == [{"CPU": 0.5}]
-    assert placement_bundles(2, use_gpus=True, cpus_per_node=0.5) == [{"GPU": 1.0}, {"GPU": 1.0}]
+    assert placement_bundles(1, use_gpus=True, cpus_per_node=0.5) == [{"GPU": 1.0}]
+
+
+def test_serve_refuses_tensor_parallelism_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--tp", "2"]) == 2
+    assert "--tp above 1 needs tensor parallelism in the engine" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cpus", "node_cpus", "room"), [(2, 0.5, 4), (64, 0.5, 128), (3, 1.0, 3), (8, 3.0, 2)])
+def test_scale_refuses_more_nodes_than_the_machine_has_room_for(cpus: int, node_cpus: float, room: int) -> None:
+    launch = NodeLaunch(model="/m", registry_url="redis://127.0.0.1:1/0", cpus_per_node=node_cpus)
+    pools = PoolManager(launch, {"prefill": 1, "decode": 0}, resources=lambda: {"CPU": float(cpus)})
+    assert pools.room() == room  # cpus // node_cpus
+    pools.scale({"decode": room - 1})
+    with pytest.raises(ValueError, match=f"{room + 1} nodes do not fit on this machine: it has room for {room}"):
+        pools.scale({"decode": room})
+    assert pools.desired == {"prefill": 1, "decode": room - 1}
 
 
 def test_the_state_file_is_private_and_removed_only_by_its_writer(tmp_path: Path,
@@ -100,9 +116,3 @@ def test_the_cli_ignores_a_state_file_left_by_a_process_that_is_gone(tmp_path: P
     write_state(ClusterState(admin_url="http://127.0.0.1:1", token=TOKEN, proxy_url="", pid=gone.pid))
     assert cli.main(["status", "--json"]) == 2
     assert "left over from process" in capsys.readouterr().err
-
-
-def test_the_proxy_hashes_prefixes_with_the_nodes_block_size_and_seed() -> None:
-    assert proxy_hashing_args("--num-kv-blocks 64 --block-size 4 --hash-seed s1") == ["--block-size", "4",
-                                                                                  "--hash-seed", "s1"]
-    assert proxy_hashing_args("--max-num-seqs 8") == []

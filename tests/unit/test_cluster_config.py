@@ -1,21 +1,36 @@
-"""`tandem serve` settings: CLI flag > YAML --config > TANDEM_* env var > default, with clear errors."""
+"""The configuration tree (settings/): CLI flag > YAML --config > TANDEM_* env var > default, with clear errors;
+each cluster-wide setting declared once and handed by `tandem serve` to nodes and proxy as the flags they parse."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cluster.config import SETTINGS, ConfigError, ServeConfig, add_serve_args, resolve
+from cluster.pools import NodeLaunch, node_command, node_environment
+from engine.config import EngineConfig
+from node_common.options import add_node_args, parse_node_args
+from settings import TREE_KEYS, ConfigError, HashingSettings, ServeConfig, add_arguments, resolve, to_args
+from settings.spec import flatten
 
 
 def parse(*argv: str) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
-    add_serve_args(parser)
+    add_arguments(parser, ServeConfig)
     return vars(parser.parse_args(list(argv)))
+
+
+def serve_config(*argv: str, env: dict[str, str] | None = None) -> ServeConfig:
+    return resolve(ServeConfig, parse(*argv), env or {}, TREE_KEYS)
+
+
+def node_args(*argv: str) -> argparse.Namespace:
+    """A node's flags as `python -m prefill_node/decode_node` parses them (the environment included)."""
+    parser = argparse.ArgumentParser()
+    add_node_args(parser)
+    return parse_node_args(parser, ["--model", "/m", "--port", "1", *argv])
 
 
 def write_yaml(tmp_path: Path, text: str) -> str:
@@ -24,49 +39,44 @@ def write_yaml(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-def test_settings_table_and_config_dataclass_agree() -> None:
-    assert [f.name for f in dataclasses.fields(ServeConfig)] == [s.name for s in SETTINGS]
-    assert all(getattr(ServeConfig(), s.name) == s.default for s in SETTINGS)
-
-
 def test_defaults_are_one_prefill_one_decode_and_the_proxy_on_localhost_8000() -> None:
-    config = resolve(parse(), env={})
+    config = serve_config()
     assert config == ServeConfig()
     assert (config.prefill_nodes, config.decode_nodes, config.host, config.port) == (1, 1, "127.0.0.1", 8000)
     assert config.model is None  # the demo model
 
 
 def test_env_beats_default(tmp_path: Path) -> None:
-    config = resolve(parse(), env={"TANDEM_DECODE_NODES": "3", "TANDEM_KV_BACKEND": "mooncake",
+    config = serve_config(env={"TANDEM_DECODE_NODES": "3", "TANDEM_KV_BACKEND": "mooncake",
                                    "TANDEM_NODE_CPUS": "0.25"})
-    assert (config.decode_nodes, config.kv_backend, config.node_cpus) == (3, "mooncake", 0.25)
+    assert (config.decode_nodes, config.cluster.kv_backend, config.node_cpus) == (3, "mooncake", 0.25)
 
 
 def test_yaml_beats_env_and_cli_beats_yaml(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, "decode_nodes: 2\nprefill-nodes: 4\nport: 9000\nmodel: /models/a\n")
     env = {"TANDEM_DECODE_NODES": "3", "TANDEM_PORT": "7000", "TANDEM_DTYPE": "bfloat16"}
-    config = resolve(parse("--config", path, "--prefill-nodes", "5"), env=env)
+    config = serve_config("--config", path, "--prefill-nodes", "5", env=env)
     assert config.prefill_nodes == 5  # CLI over YAML
     assert config.decode_nodes == 2 and config.port == 9000 and config.model == "/models/a"  # YAML over env
-    assert config.dtype == "bfloat16"  # env over default
+    assert config.cluster.dtype == "bfloat16"  # env over default
     assert config.tp == 1  # default
 
 
 def test_the_config_file_may_come_from_the_environment(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, "decode_nodes: 2\n")
-    assert resolve(parse(), env={"TANDEM_CONFIG": path}).decode_nodes == 2
-    assert resolve(parse("--decode-nodes", "4"), env={"TANDEM_CONFIG": path}).decode_nodes == 4
+    assert serve_config(env={"TANDEM_CONFIG": path}).decode_nodes == 2
+    assert serve_config("--decode-nodes", "4", env={"TANDEM_CONFIG": path}).decode_nodes == 4
 
 
 def test_extra_flags_may_be_a_yaml_list(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, "node_args: ['--num-kv-blocks', 64]\nproxy_args: [--routing, round_robin]\n")
-    config = resolve(parse("--config", path), env={})
+    config = serve_config("--config", path, env={})
     assert config.node_args == "--num-kv-blocks 64" and config.proxy_args == "--routing round_robin"
 
 
 def test_a_yaml_key_without_a_value_leaves_the_setting_to_env_and_default(tmp_path: Path) -> None:
     path = write_yaml(tmp_path, "port:\ndecode_nodes:\n")
-    config = resolve(parse("--config", path), env={"TANDEM_DECODE_NODES": "2"})
+    config = serve_config("--config", path, env={"TANDEM_DECODE_NODES": "2"})
     assert config.port == 8000 and config.decode_nodes == 2
 
 
@@ -81,20 +91,134 @@ def test_a_yaml_key_without_a_value_leaves_the_setting_to_env_and_default(tmp_pa
 ])
 def test_bad_yaml_settings_are_refused_with_the_file_and_key(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        resolve(parse("--config", write_yaml(tmp_path, text)), env={})
+        serve_config("--config", write_yaml(tmp_path, text))
 
 
 def test_bad_env_values_name_the_variable() -> None:
     with pytest.raises(ConfigError, match=r"\$TANDEM_PORT: expected int"):
-        resolve(parse(), env={"TANDEM_PORT": "eighty"})
+        serve_config(env={"TANDEM_PORT": "eighty"})
     with pytest.raises(ConfigError, match="TANDEM_DECODE_NODES: must be at least 0"):
-        resolve(parse(), env={"TANDEM_DECODE_NODES": "-1"})
+        serve_config(env={"TANDEM_DECODE_NODES": "-1"})
 
 
 def test_a_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the config file"):
-        resolve(parse("--config", str(tmp_path / "nope.yaml")), env={})
+        serve_config("--config", str(tmp_path / "nope.yaml"))
 
 
 def test_an_empty_env_var_counts_as_unset() -> None:
-    assert resolve(parse(), env={"TANDEM_PORT": ""}).port == 8000
+    assert serve_config(env={"TANDEM_PORT": ""}).port == 8000
+
+
+def test_node_flag_defaults_equal_the_offline_llm_defaults() -> None:
+    import inspect
+
+    from engine.llm import LLM
+
+    offline = {name: p.default for name, p in inspect.signature(LLM.__init__).parameters.items()
+               if p.default is not inspect.Parameter.empty}
+    args = node_args()
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "dtype", "seed"):
+        assert getattr(args, name) == offline[name], name
+    assert args.max_num_seqs == EngineConfig(model="/m").max_num_seqs
+
+
+CHOSEN = ["--block-size", "8", "--hash-seed", "s1", "--kv-backend", "mooncake", "--dtype", "bfloat16",
+          "--drain-timeout", "7", "--ucx-devices", "mlx5_0:1", "--mooncake-protocol", "rdma"]
+
+
+def test_serve_hands_every_cluster_setting_to_the_nodes_as_the_flags_they_parse() -> None:
+    config = serve_config(*CHOSEN)
+    launch = NodeLaunch(model="/m", registry_url="redis://r", cluster=config.node_settings(on_one_machine=False))
+    command = node_command(launch, "decode", "decode-0", "127.0.0.1", 1234)
+    assert command[1:3] == ["-m", "decode_node"]
+    node = node_args(*command[3:])
+    assert node.cluster == config.cluster
+    assert (node.block_size, node.hash_seed, node.kv_backend, node.dtype, node.drain_timeout, node.ucx_devices,
+            node.mooncake_protocol) == (8, "s1", "mooncake", "bfloat16", 7.0, "mlx5_0:1", "rdma")
+
+
+def test_serve_hands_the_nodes_block_size_and_hash_seed_to_the_proxy() -> None:
+    from cluster.serve import proxy_command
+    from proxy.__main__ import parse_args
+
+    config = serve_config("--block-size", "8", "--hash-seed", "s1", "--proxy-args", "--routing round_robin")
+    command = proxy_command(config, Path("/m"), "tiny", "redis://127.0.0.1:1/0")
+    assert command[1:3] == ["-m", "proxy"]
+    _, proxy = parse_args(command[3:])
+    assert proxy.hashing == config.cluster.hashing == HashingSettings(block_size=8, hash_seed="s1")
+    assert (proxy.block_size, proxy.hash_seed, proxy.routing) == (8, "s1", "round_robin")
+
+
+def test_the_drain_timeout_of_the_pool_and_of_its_nodes_is_one_setting() -> None:
+    from cluster.pools import PoolManager
+
+    config = serve_config("--drain-timeout", "7")
+    launch = NodeLaunch(model="/m", registry_url="redis://127.0.0.1:1/0", cluster=config.cluster)
+    pools = PoolManager(launch, {"prefill": 0, "decode": 0})
+    node = node_args(*node_command(launch, "prefill", "p-0", "127.0.0.1", 1)[3:])
+    assert pools.drain_timeout_s == node.cluster.drain_timeout == 7.0
+
+
+@pytest.mark.parametrize("extra", ["--node-args=--block-size 8", "--node-args=--num-kv-blocks 4 --hash-seed=x",
+                                   "--proxy-args=--block-size 8"])
+def test_a_cluster_setting_given_as_an_extra_flag_is_refused(extra: str) -> None:
+    with pytest.raises(ConfigError, match="is a cluster-wide setting: give it to tandem serve itself"):
+        serve_config(extra)
+
+
+def test_one_config_file_configures_serve_its_nodes_and_its_proxy(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_yaml(tmp_path, "decode_nodes: 2\nblock_size: 8\nkv-backend: mooncake\nport: 9000\n")
+    assert serve_config("--config", path).cluster.hashing.block_size == 8
+    monkeypatch.setenv("TANDEM_BLOCK_SIZE", "32")
+    monkeypatch.setenv("TANDEM_DTYPE", "bfloat16")
+    node = node_args("--config", path)  # the serve-only keys (decode_nodes, port) are someone else's
+    assert (node.block_size, node.kv_backend, node.dtype, node.port) == (8, "mooncake", "bfloat16", 1)
+    assert node_args("--config", path, "--block-size", "4").block_size == 4
+    monkeypatch.setenv("TANDEM_CONFIG", write_yaml(tmp_path, "block_sise: 8\n"))
+    with pytest.raises(SystemExit):  # a typo is refused by a node as by tandem serve
+        node_args()
+
+
+def test_a_single_machine_cluster_runs_ucx_on_loopback_a_ray_cluster_leaves_ucx_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("UCX_MODULES", "UCX_NET_DEVICES", "UCX_TLS"):
+        monkeypatch.delenv(name, raising=False)
+    config = serve_config()
+
+    def launched(on_one_machine: bool, config: ServeConfig = config) -> tuple[list[str], dict[str, str]]:
+        launch = NodeLaunch(model="/m", registry_url="redis://r", cluster=config.node_settings(on_one_machine),
+                            environment=config.node_environment(on_one_machine), bind_loopback=on_one_machine)
+        return node_command(launch, "decode", "d-0", "127.0.0.1", 1), node_environment(launch)
+
+    command, env = launched(on_one_machine=True)
+    assert node_args(*command[3:]).ucx_devices == "lo" and env["UCX_MODULES"] == "^ib"
+    command, env = launched(on_one_machine=False)  # InfiniBand stays on: UCX picks the NICs
+    assert "--ucx-devices" not in command and node_args(*command[3:]).ucx_devices is None
+    assert not {name for name in env if name.startswith("UCX_")}
+    chosen = serve_config("--ucx-devices", "mlx5_0:1", "--transport-env", "UCX_TLS=rc,sm MC_TRANSFER_TIMEOUT=60")
+    command, env = launched(on_one_machine=True, config=chosen)  # the user's choice beats the single-box default
+    assert node_args(*command[3:]).ucx_devices == "mlx5_0:1"
+    assert (env["UCX_TLS"], env["MC_TRANSFER_TIMEOUT"]) == ("rc,sm", "60") and "UCX_MODULES" not in env
+
+
+def test_a_bad_transport_environment_is_refused() -> None:
+    with pytest.raises(ConfigError, match="expected NAME=VALUE"):
+        serve_config("--transport-env", "UCX_TLS")
+
+
+def test_settings_flatten_and_build_round_trip() -> None:
+    config = serve_config(*CHOSEN, "--decode-nodes", "3")
+    assert resolve(ServeConfig, flatten(config), {}, TREE_KEYS) == config
+    assert to_args(config.cluster.hashing) == ["--block-size", "8", "--hash-seed", "s1"]
+
+
+def test_the_settings_package_imports_no_torch_and_no_serving_package() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, settings, settings.env; "
+            "bad = {'torch', 'ray', 'redis', 'grpc', 'cluster', 'proxy', 'node_common', 'kvtransfer'} & "
+            "{name.split('.')[0] for name in sys.modules}; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True)

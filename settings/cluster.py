@@ -1,0 +1,72 @@
+"""The cluster-wide settings: declared here once, resolved by whoever starts a process (`tandem serve`, a pod's
+command line) and handed to every node (and, for prefix hashing, the proxy) as flags built from this declaration.
+
+    HashingSettings    block size and prefix-hash seed: nodes and proxy must agree, or prefix routing misses
+    TransportSettings  how the KV transfer library reaches peers (per backend options, never os.environ)
+    ClusterSettings    all that every node of the cluster takes: the two above, KV backend, dtype, drain timeout
+
+Defaults equal the offline API's (`engine.config.EngineConfig`), so a node and `LLM(...)` behave alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import DTYPES, EngineConfig
+from settings.spec import group, setting
+
+KV_BACKENDS = ("nixl", "mooncake")
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+@dataclass(frozen=True)
+class HashingSettings:
+    block_size: int = setting(ENGINE_DEFAULTS["block_size"], "KV block size in tokens (a power of two)", minimum=1,
+                              metavar="N")
+    hash_seed: str = setting(ENGINE_DEFAULTS["hash_seed"], "prefix-hash seed", metavar="SEED")
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """What the KV transfer library is told, per backend, through its own API. Variables a library reads only from
+    the process environment (UCX_MODULES, UCX_TLS, MC_TRANSFER_TIMEOUT...) are the launcher's: see
+    `ServeConfig.transport_env`."""
+
+    ucx_devices: str | None = setting(
+        None, "NIXL: the network devices UCX may use, e.g. 'mlx5_0:1,mlx5_1:1' or 'lo' (default: UCX picks all; "
+              "'lo' for a single-machine tandem serve)", metavar="DEVICES")
+    mooncake_protocol: str = setting("tcp", "Mooncake: the transfer protocol", choices=MOONCAKE_PROTOCOLS)
+
+    def connector_options(self, backend: str) -> dict[str, Any]:
+        """The keyword options `kvtransfer.make_connector(backend, ...)` takes for these settings."""
+        if backend == "nixl":
+            return {"ucx_devices": self.ucx_devices} if self.ucx_devices else {}
+        if backend == "mooncake":
+            return {"protocol": self.mooncake_protocol}
+        return {}
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    hashing: HashingSettings = group(HashingSettings)
+    kv_backend: str = setting("nixl", "KV transfer library", choices=KV_BACKENDS)
+    dtype: str = setting(ENGINE_DEFAULTS["dtype"], "model dtype", choices=DTYPES)
+    drain_timeout: float = setting(120.0, "seconds a leaving node may take to finish its requests", minimum=1.0,
+                                   metavar="SECONDS")
+    transport: TransportSettings = group(TransportSettings)
+
+
+# A single machine's cluster: UCX on the loopback device, and without its InfiniBand modules (with Debian's ibverbs
+# providers installed, every UCX process crashes at exit otherwise). Never the default of a real cluster.
+LOOPBACK_UCX_DEVICES = "lo"
+LOOPBACK_TRANSPORT_ENV = "UCX_MODULES=^ib"
+
+
+def single_machine(transport: TransportSettings) -> TransportSettings:
+    """The transport of a cluster on one machine: settings the user left unset take the loopback values."""
+    if transport.ucx_devices is not None:
+        return transport
+    return dataclasses.replace(transport, ucx_devices=LOOPBACK_UCX_DEVICES)

@@ -1,0 +1,92 @@
+"""`tandem serve`'s settings: its own (pool sizes, where the proxy listens, how nodes are launched) and the
+cluster-wide ones (`settings.cluster`) that it hands to every node and the proxy."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from dataclasses import dataclass
+
+from settings.cluster import LOOPBACK_TRANSPORT_ENV, ClusterSettings, single_machine
+from settings.spec import ConfigError, group, setting, settings_of
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str | None = setting(None, "Hugging Face model directory (default: the demo model, built on first use)",
+                                metavar="PATH")
+    served_model_name: str | None = setting(
+        None, "the model name clients send (default: the model folder's name; tandem-demo for the demo model)",
+        metavar="NAME")
+    prefill_nodes: int = setting(1, "number of prefill nodes", minimum=0, metavar="N")
+    decode_nodes: int = setting(1, "number of decode nodes", minimum=0, metavar="M")
+    tp: int = setting(1, "tensor-parallel ranks per node (one placement bundle each)", minimum=1, metavar="N")
+    host: str = setting("127.0.0.1", "address the proxy listens on", metavar="H")
+    port: int = setting(8000, "port the proxy listens on", minimum=1, metavar="P")
+    ray_address: str = setting("local", "Ray cluster to join ('local' starts one on this machine)", metavar="ADDR")
+    api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (default: no key)",
+                                  metavar="KEY")
+    registry: str | None = setting(None, "redis:// URL of the node registry (default: a redis-server started here)",
+                                   metavar="URL")
+    admin_port: int = setting(0, "port of the admin API on 127.0.0.1 (0: any free port)", minimum=0, metavar="PORT")
+    node_cpus: float = setting(0.5, "CPUs reserved per node in its placement group (CPU machines)", minimum=0.01,
+                               metavar="CPUS")
+    node_args: str = setting("", "extra flags for every node process, e.g. '--num-kv-blocks 512' (cluster-wide "
+                                 "settings such as --block-size are tandem serve's own flags)", metavar="FLAGS")
+    proxy_args: str = setting("", "extra flags for the proxy, e.g. '--routing round_robin'", metavar="FLAGS")
+    transport_env: str | None = setting(
+        None, "environment the node processes start with, for transport libraries that read only that, e.g. "
+              "'UCX_TLS=rc,cuda_ipc MC_TRANSFER_TIMEOUT=60' (default: "
+              f"'{LOOPBACK_TRANSPORT_ENV}' on a single machine, none on a Ray cluster)", metavar="'K=V ...'")
+    startup_timeout: float = setting(300.0, "seconds a node may take to be placed and start serving", minimum=1.0,
+                                     metavar="SECONDS")
+    cluster: ClusterSettings = group(ClusterSettings)
+
+    def __post_init__(self) -> None:
+        for name in ("node_args", "proxy_args"):
+            _refuse_cluster_flags(getattr(self, name), f"--{name.replace('_', '-')}")
+        if self.transport_env is not None:
+            parse_env_assignments(self.transport_env)
+
+    def node_settings(self, on_one_machine: bool) -> ClusterSettings:
+        """What every node is started with; a cluster on one machine takes the loopback transport by default."""
+        if not on_one_machine:
+            return self.cluster
+        return dataclasses.replace(self.cluster, transport=single_machine(self.cluster.transport))
+
+    def node_environment(self, on_one_machine: bool) -> dict[str, str]:
+        """The transport variables node processes start with (--transport-env, else the single-machine default)."""
+        text = self.transport_env
+        if text is None:
+            text = LOOPBACK_TRANSPORT_ENV if on_one_machine else ""
+        return parse_env_assignments(text)
+
+
+def parse_env_assignments(text: str, where: str = "--transport-env") -> dict[str, str]:
+    """'K=V K2=V2' (shell quoting) -> {"K": "V", "K2": "V2"}; a clear error for anything else."""
+    assignments = {}
+    for item in shlex.split(text):
+        name, equals, value = item.partition("=")
+        if not equals or not _ENV_NAME.match(name):
+            raise ConfigError(f"{where}: expected NAME=VALUE items, got {item!r}")
+        assignments[name] = value
+    return assignments
+
+
+def _refuse_cluster_flags(extra_args: str, where: str) -> None:
+    """A cluster-wide setting passed as an extra flag would reach one kind of process only (nodes hashing with one
+    block size, the proxy with another): it must be tandem serve's own setting, handed to all."""
+    cluster_flags = {s.flag: s for s in settings_of(ClusterSettings)}
+    try:
+        tokens = shlex.split(extra_args)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    for token in tokens:
+        flag = token.split("=", 1)[0]
+        if flag in cluster_flags:
+            raise ConfigError(f"{where}: {flag} is a cluster-wide setting: give it to tandem serve itself "
+                              f"({flag}, {cluster_flags[flag].env_var} or the config file), which hands it to "
+                              "every node and the proxy")
