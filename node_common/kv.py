@@ -14,13 +14,13 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
     # The model's identity: its architecture and shape (two copies of one model in different folders pair).
     identity = (f"{model.architecture}:{model.path.name}:{model.hidden_size}x{model.num_layers}"
                 f":{model.vocab_size}")
-    return KVLayout(model=identity, dtype=str(engine.runner.dtype).removeprefix("torch."),
+    return KVLayout(model=identity, dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
                     num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                    block_size=engine.config.block_size, tp_size=1, hash_seed=engine.config.hash_seed)
+                    block_size=engine.block_size, tp_size=1, hash_seed=engine.config.hash_seed)
 
 
 def kv_region(engine: LLMEngine) -> KVRegion:
-    return KVRegion.from_buffer(engine.runner.kv_cache)
+    return KVRegion.from_buffer(engine.kv_cache)
 
 
 def open_connector(engine: LLMEngine, backend: str, host: str, name: str,
