@@ -6,9 +6,9 @@ import logging
 
 import grpc
 
-from kvtransfer import KVTicket
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
+from wire import KVTicket
 
 logger = logging.getLogger(__name__)
 

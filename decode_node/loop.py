@@ -33,9 +33,10 @@ from engine.llm_engine import LLMEngine, PromptBlocks
 from engine.request import Request
 from engine.sampler import SampledToken
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
-from kvtransfer import KVRegion, KVTicket, TransferError, TransferStatus
+from kvtransfer import KVRegion, TransferError, TransferStatus
 from kvtransfer.base import Connector, TransferHandle
-from kvtransfer.ticket import kv_checksum
+from kvtransfer.checksum import kv_checksum
+from wire import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,6 @@ class DecodeError(Exception):
         super().__init__(message)
         self.code = code
         self.retryable = retryable
-
-
-@dataclass(frozen=True)
-class IncomingKV:
-    ticket: KVTicket
-    prefill_address: str
 
 
 @dataclass(frozen=True)
@@ -93,18 +88,17 @@ class DecodeLoop:
         self._background: set[asyncio.Future[bool]] = set()  # release calls in flight (kept referenced)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       incoming: IncomingKV, first_token: int, first_logprobs: PositionLogprobs | None,
+                       ticket: KVTicket, first_token: int, first_logprobs: PositionLogprobs | None,
                        deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
-        ticket = incoming.ticket
         if ticket.layout_hash != self.layout_hash:
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} has KV layout {ticket.layout_hash}, "
                                                      f"this node {self.layout_hash}")
         started = time.perf_counter()
-        if not await self.leases.extend(incoming.prefill_address, ticket, LEASE_EXTENSION_S):
+        if not await self.leases.extend(ticket.prefill_address, ticket, LEASE_EXTENSION_S):
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} is not live on its prefill node "
                                                      "(released, expired, or the node restarted)", retryable=True)
         leased = time.perf_counter()
-        request, blocks = await self._reserve(request_id, prompt_token_ids, params, incoming, deadline)
+        request, blocks = await self._reserve(request_id, prompt_token_ids, params, ticket, deadline)
         reserved = time.perf_counter()
         try:
             await self._pull(request, blocks, ticket, deadline)
@@ -114,7 +108,7 @@ class DecodeLoop:
         logger.debug("request %s: lease %.1f ms, reserve %.1f ms, pull+verify %.1f ms", request_id,
                      (leased - started) * 1e3, (reserved - leased) * 1e3, (time.perf_counter() - reserved) * 1e3)
         # P frees the blocks in the background: the second token need not wait for that round trip
-        release = asyncio.ensure_future(self.leases.release(incoming.prefill_address, ticket))
+        release = asyncio.ensure_future(self.leases.release(ticket.prefill_address, ticket))
         self._background.add(release)
         release.add_done_callback(self._background.discard)
 
@@ -171,8 +165,7 @@ class DecodeLoop:
         await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
 
     async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       incoming: IncomingKV, deadline: float | None) -> tuple[Request, PromptBlocks]:
-        ticket = incoming.ticket
+                       ticket: KVTicket, deadline: float | None) -> tuple[Request, PromptBlocks]:
 
         def make(engine: LLMEngine) -> Request:
             request = engine.make_request(request_id, prompt_token_ids, params)
@@ -202,7 +195,7 @@ class DecodeLoop:
             if deadline is not None and time.time() >= deadline:
                 raise DecodeError("RESOURCE_EXHAUSTED", "no free KV blocks before the deadline", retryable=True)
             if time.monotonic() - last_extension > LEASE_EXTENSION_S / 3:
-                if not await self.leases.extend(incoming.prefill_address, ticket, LEASE_EXTENSION_S):
+                if not await self.leases.extend(ticket.prefill_address, ticket, LEASE_EXTENSION_S):
                     raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} expired while waiting "
                                                              "for KV blocks", retryable=True)
                 last_extension = time.monotonic()

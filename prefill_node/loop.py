@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd, TokenEvent
 from engine.llm_engine import LLMEngine
 from engine.types import FinishReason, SamplingParams
-from kvtransfer.ticket import KVTicket
+from wire import KVTicket
 
 logger = logging.getLogger(__name__)
 

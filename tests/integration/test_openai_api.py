@@ -24,8 +24,8 @@ from engine.tokenizer import load_tokenizer
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from proxy.app import ProxyState, create_app
+from proxy.directory import NodeDirectory
 from proxy.pd import PDPipeline
-from proxy.registry import NodeDirectory
 from proxy.router import Router, RouterConfig
 from tests.fixtures.tiny_models import TinyModelFactory
 from tests.integration.processes import Process, free_port, start_node, start_proxy
