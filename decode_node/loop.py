@@ -166,7 +166,6 @@ class DecodeLoop:
 
     async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        ticket: KVTicket, deadline: float | None) -> tuple[Request, PromptBlocks]:
-
         def make(engine: LLMEngine) -> Request:
             request = engine.make_request(request_id, prompt_token_ids, params)
             expected = engine.kv.blocks_needed(len(prompt_token_ids))
