@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[dev,kv-cpu]'
 	touch $@
 
-PACKAGES := engine kvtransfer protos node_common prefill_node decode_node proxy cluster settings
+PACKAGES := engine kvtransfer protos wire settings node_common prefill_node decode_node proxy cluster
 
 lint: setup
 	$(VENV)/bin/ruff check $(PACKAGES) tests bench

@@ -39,9 +39,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from redis.exceptions import RedisError
 
-from node_common.registry import node_key
 from settings import ClusterSettings, to_args
 from settings.env import child_environment
+from wire import node_key
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,9 +11,10 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from node_common.kv import kv_layout, open_connector
 from node_common.options import add_node_args, engine_config, node_id, parse_node_args
-from node_common.registry import NodeIdentity, Role, advertised_address
+from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from protos import tandem_pb2_grpc
+from wire import NodeIdentity, Role
 
 
 def main() -> None:

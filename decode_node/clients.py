@@ -6,9 +6,9 @@ import logging
 
 import grpc
 
-from kvtransfer import KVTicket
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
+from wire import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ class PrefillLeaseClient:
             self._stubs[address] = tandem_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(address))
         return self._stubs[address]
 
-    async def extend(self, address: str, ticket: KVTicket, seconds: float) -> bool:
+    async def extend(self, ticket: KVTicket, seconds: float) -> bool:
+        address = ticket.prefill_address
         ref = pb.TicketRef(ticket_id=ticket.ticket_id, incarnation=ticket.incarnation)
         try:
             response = await self._stub(address).ExtendLease(pb.ExtendLeaseRequest(ticket=ref, seconds=seconds),
@@ -36,7 +37,8 @@ class PrefillLeaseClient:
             return False
         return bool(response.ok)
 
-    async def release(self, address: str, ticket: KVTicket) -> bool:
+    async def release(self, ticket: KVTicket) -> bool:
+        address = ticket.prefill_address
         ref = pb.TicketRef(ticket_id=ticket.ticket_id, incarnation=ticket.incarnation)
         try:
             response = await self._stub(address).Release(ref, timeout=RPC_TIMEOUT_S)

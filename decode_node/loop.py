@@ -35,9 +35,10 @@ from engine.request import Request
 from engine.sampler import SampledToken
 from engine.scheduler import ReservedBlocks
 from engine.types import FinishReason, PositionLogprobs, SamplingParams, StepOutput
-from kvtransfer import KVRegion, KVTicket, TransferError, TransferStatus
+from kvtransfer import KVRegion, TransferError, TransferStatus
 from kvtransfer.base import Connector, TransferHandle
-from kvtransfer.ticket import kv_checksum
+from kvtransfer.checksum import kv_checksum
+from wire import KVTicket
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +56,6 @@ class DecodeError(Exception):
 
 
 @dataclass(frozen=True)
-class IncomingKV:
-    ticket: KVTicket
-    prefill_address: str
-
-
-@dataclass(frozen=True)
 class DecodeOutput:
     token_ids: list[int]
     logprobs: list[PositionLogprobs]
@@ -72,10 +67,10 @@ class DecodeOutput:
 class LeaseClient(Protocol):
     """How D talks to P about a ticket (over gRPC: clients.py)."""
 
-    async def extend(self, address: str, ticket: KVTicket, seconds: float) -> bool:
+    async def extend(self, ticket: KVTicket, seconds: float) -> bool:
         """Extends the ticket's lease on P; False when the ticket is not live there."""
 
-    async def release(self, address: str, ticket: KVTicket) -> bool:
+    async def release(self, ticket: KVTicket) -> bool:
         """Frees the ticket's blocks on P."""
 
 
@@ -94,18 +89,17 @@ class DecodeLoop:
         self._background: set[asyncio.Future[bool]] = set()  # release calls in flight (kept referenced)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       incoming: IncomingKV, first_token: int, first_logprobs: PositionLogprobs | None,
+                       ticket: KVTicket, first_token: int, first_logprobs: PositionLogprobs | None,
                        deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
-        ticket = incoming.ticket
         if ticket.layout_hash != self.layout_hash:
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} has KV layout {ticket.layout_hash}, "
                                                      f"this node {self.layout_hash}")
         started = time.perf_counter()
-        if not await self.leases.extend(incoming.prefill_address, ticket, LEASE_EXTENSION_S):
+        if not await self.leases.extend(ticket, LEASE_EXTENSION_S):
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} is not live on its prefill node "
                                                      "(released, expired, or the node restarted)", retryable=True)
         leased = time.perf_counter()
-        request, blocks = await self._reserve(request_id, prompt_token_ids, params, incoming, deadline)
+        request, blocks = await self._reserve(request_id, prompt_token_ids, params, ticket, deadline)
         reserved = time.perf_counter()
         try:
             await self._pull(blocks, ticket, deadline)
@@ -115,7 +109,7 @@ class DecodeLoop:
         logger.debug("request %s: lease %.1f ms, reserve %.1f ms, pull+verify %.1f ms", request_id,
                      (leased - started) * 1e3, (reserved - leased) * 1e3, (time.perf_counter() - reserved) * 1e3)
         # P frees the blocks in the background: the second token need not wait for that round trip
-        release = asyncio.ensure_future(self.leases.release(incoming.prefill_address, ticket))
+        release = asyncio.ensure_future(self.leases.release(ticket))
         self._background.add(release)
         release.add_done_callback(self._background.discard)
 
@@ -175,9 +169,7 @@ class DecodeLoop:
         await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
 
     async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       incoming: IncomingKV, deadline: float | None) -> tuple[Request, ReservedBlocks]:
-        ticket = incoming.ticket
-
+                       ticket: KVTicket, deadline: float | None) -> tuple[Request, ReservedBlocks]:
         def make(engine: LLMEngine) -> Request:
             request = engine.make_request(request_id, prompt_token_ids, params)
             expected = -(-len(prompt_token_ids) // engine.block_size)
@@ -206,7 +198,7 @@ class DecodeLoop:
             if deadline is not None and time.time() >= deadline:
                 raise DecodeError("RESOURCE_EXHAUSTED", "no free KV blocks before the deadline", retryable=True)
             if time.monotonic() - last_extension > LEASE_EXTENSION_S / 3:
-                if not await self.leases.extend(incoming.prefill_address, ticket, LEASE_EXTENSION_S):
+                if not await self.leases.extend(ticket, LEASE_EXTENSION_S):
                     raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} expired while waiting "
                                                              "for KV blocks", retryable=True)
                 last_extension = time.monotonic()

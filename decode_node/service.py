@@ -2,32 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
-from decode_node.loop import DecodeError, DecodeLoop, IncomingKV
+from decode_node.loop import DecodeError, DecodeLoop
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from kvtransfer import InvalidTicketError, KVTicket
+from node_common.load import engine_stats
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from protos.convert import engine_stats, logprobs_from_proto, logprobs_to_proto, params_from_proto
-
-# Tells the proxy a retry (prefill again, maybe elsewhere) may succeed.
-RETRYABLE_KEY = "tandem-retryable"
-
-
-def ticket_from_proto(msg: pb.KVTicket) -> IncomingKV:
-    """Raises InvalidTicketError for a malformed ticket."""
-    ticket = KVTicket(ticket_id=msg.ticket_id, prefill_node_id=msg.prefill_node_id, incarnation=msg.incarnation,
-                      transfer_endpoint=msg.transfer_metadata, block_ids=tuple(msg.block_ids),
-                      num_tokens=msg.num_tokens, layout_hash=msg.layout_hash, lease_deadline=msg.lease_deadline,
-                      checksum=msg.checksum, block_checksums=tuple(msg.block_checksums))
-    if not msg.prefill_address:
-        raise InvalidTicketError("ticket prefill_address is required")
-    return IncomingKV(ticket, msg.prefill_address)
+from protos.convert import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    params_from_proto,
+    stats_to_proto,
+    ticket_from_proto,
+)
+from wire import RETRYABLE_KEY, InvalidTicketError, NodeStats
 
 
 class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
@@ -45,17 +39,17 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
         colocated = not request.HasField("ticket")  # no ticket: prefill here
         try:
             params = params_from_proto(request.params)
-            incoming = None if colocated else ticket_from_proto(request.ticket)
+            ticket = None if colocated else ticket_from_proto(request.ticket)
         except (ValueError, InvalidTicketError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         deadline = request.deadline or None
         if deadline is not None and deadline <= time.time():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         prompt = list(request.prompt_token_ids)
-        if incoming is None:
+        if ticket is None:
             outputs = self.loop.generate_local(request.request_id, prompt, params, deadline)
         else:
-            outputs = self.loop.generate(request.request_id, prompt, params, incoming, request.first_token,
+            outputs = self.loop.generate(request.request_id, prompt, params, ticket, request.first_token,
                                          logprobs_from_proto(request.first_logprobs), deadline)
         try:
             async for out in outputs:
@@ -80,12 +74,10 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                                  layout_hash=self.loop.layout_hash, model=self.model, kv_backend=self.kv_backend)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        def stats(engine: LLMEngine) -> pb.StatsResponse:
-            response = engine_stats(engine)
-            response.num_transfer_failures = self.loop.num_transfer_failures
-            response.kv_transfer_bytes = self.loop.num_transferred_bytes
-            response.kv_transfer_count = self.loop.num_transfers
-            response.kv_transfer_seconds_sum = self.loop.transfer_seconds
-            return response
+        def stats(engine: LLMEngine) -> NodeStats:
+            return dataclasses.replace(engine_stats(engine), num_transfer_failures=self.loop.num_transfer_failures,
+                                       kv_transfer_bytes=self.loop.num_transferred_bytes,
+                                       kv_transfer_count=self.loop.num_transfers,
+                                       kv_transfer_seconds_sum=self.loop.transfer_seconds)
 
-        return await self.engine.call(stats)
+        return stats_to_proto(await self.engine.call(stats))

@@ -1,7 +1,7 @@
 """Moves KV blocks between nodes. Knows block ids and memory regions, never models or schedulers.
 
     connector = make_connector("nixl", layout=KVLayout(...))      # or "mooncake"
-    metadata = connector.register(KVRegion.from_buffer(kv_cache))  # send it to peers (ticket / registry)
+    metadata = connector.register(KVRegion.from_buffer(kv_cache))  # send it to peers (in a KV ticket)
     peer = connector.add_peer(peer_metadata)
     handle = connector.read(peer, remote_block_ids, local_block_ids)
     connector.poll(handle)  # PENDING → DONE | FAILED
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtransfer.base import Connector, KVRegion, MemoryKind, PeerId, TransferHandle, TransferStatus
+from kvtransfer.checksum import kv_checksum
 from kvtransfer.errors import (
     BackendError,
     ConnectorClosedError,
@@ -21,23 +22,20 @@ from kvtransfer.errors import (
     InvalidDescriptorError,
     InvalidMetadataError,
     InvalidRequestError,
-    InvalidTicketError,
     PeerDisconnectedError,
     TransferError,
     UnknownPeerError,
     UnknownTransferError,
 )
 from kvtransfer.handshake import CONNECTOR_VERSION, KVLayout, layout_hash
-from kvtransfer.ticket import KVTicket, kv_checksum, verify_kv_checksum
 
 BACKENDS = ("nixl", "mooncake")
 
 __all__ = [
     "BACKENDS", "CONNECTOR_VERSION", "BackendError", "Connector", "ConnectorClosedError", "IncompatiblePeerError",
-    "InvalidDescriptorError", "InvalidMetadataError", "InvalidRequestError", "InvalidTicketError", "KVLayout",
-    "KVRegion", "KVTicket", "MemoryKind", "PeerDisconnectedError", "PeerId", "TransferError", "TransferHandle",
-    "TransferStatus", "UnknownPeerError", "UnknownTransferError", "kv_checksum", "layout_hash", "make_connector",
-    "verify_kv_checksum",
+    "InvalidDescriptorError", "InvalidMetadataError", "InvalidRequestError", "KVLayout", "KVRegion", "MemoryKind",
+    "PeerDisconnectedError", "PeerId", "TransferError", "TransferHandle", "TransferStatus", "UnknownPeerError",
+    "UnknownTransferError", "kv_checksum", "layout_hash", "make_connector",
 ]
 
 

@@ -2,8 +2,7 @@
 
     TransferError
     ├── InvalidRequestError        bad arguments (message too large, bad region) ...
-    │   ├── InvalidDescriptorError ... or bad block ids: out of range, lengths differ, a local block twice
-    │   └── InvalidTicketError     ... or a KV ticket that does not parse (also a ValueError)
+    │   └── InvalidDescriptorError ... or bad block ids: out of range, lengths differ, a local block twice
     ├── UnknownPeerError           the peer was never added, or was removed
     ├── PeerDisconnectedError      the peer went away (killed, closed) and the backend knows it
     ├── IncompatiblePeerError      handshake refused: backend, layout or block geometry differ
@@ -30,10 +29,6 @@ class InvalidRequestError(TransferError):
 class InvalidDescriptorError(InvalidRequestError):
     """Block ids that cannot be transferred: out of range, negative, lists of different lengths, a repeated
     local block."""
-
-
-class InvalidTicketError(InvalidRequestError, ValueError):
-    """A KV ticket (or its checksum) from the wire is malformed."""
 
 
 class UnknownPeerError(TransferError):

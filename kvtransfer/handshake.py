@@ -59,6 +59,7 @@ class KVLayout:
 
     @property
     def layout_hash(self) -> str:
+        """The first 32 hex digits of the SHA-256 of the fields as JSON with sorted keys and no spaces."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
@@ -91,6 +92,7 @@ class PeerEnvelope:
 
     @property
     def layout_hash(self) -> str:
+        """The first 32 hex digits of the SHA-256 of the fields as JSON with sorted keys and no spaces."""
         return self.layout.layout_hash
 
     def encode(self) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.llm_engine import LLMEngine
 from kvtransfer import KVLayout, KVRegion, make_connector
 from kvtransfer.base import Connector
-from kvtransfer.ticket import kv_checksum
+from kvtransfer.checksum import kv_checksum
 from settings.cluster import TransportSettings
 
 

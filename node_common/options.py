@@ -12,7 +12,7 @@ import argparse
 import socket
 
 from engine.config import ATTENTION_BACKENDS, EngineConfig
-from node_common.registry import add_registry_args
+from node_common.registrar import add_registry_args
 from settings import TREE_KEYS, ClusterSettings, ConfigError, add_arguments, resolve
 from settings import env as environment
 from settings.cluster import ENGINE_DEFAULTS

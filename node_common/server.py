@@ -26,7 +26,8 @@ from typing import Any
 import grpc
 
 from engine.async_engine import AsyncEngine
-from node_common.registry import NodeIdentity, registration
+from node_common.registrar import registration
+from wire import NodeIdentity
 
 logger = logging.getLogger(__name__)
 

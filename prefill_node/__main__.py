@@ -7,14 +7,14 @@ import logging
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine, PinnedBlocks
-from kvtransfer.ticket import KVTicket, kv_checksum
 from node_common.kv import block_checksums, kv_layout, open_connector
 from node_common.options import add_node_args, engine_config, node_id, parse_node_args
-from node_common.registry import NodeIdentity, Role, advertised_address
+from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import PrefillService
 from protos import tandem_pb2_grpc
+from wire import KVTicket, NodeIdentity, Role
 
 logger = logging.getLogger("prefill_node")
 
@@ -30,22 +30,22 @@ def main() -> None:
     engine = LLMEngine(engine_config(args))
     layout_hash = kv_layout(engine).layout_hash
     connector, region, metadata = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
+    address = advertised_address(args)  # what the registry holds, and what decode nodes call for lease RPCs
 
     def make_ticket(ticket_id: str, pinned: PinnedBlocks, deadline: float) -> KVTicket:
         blocks = list(pinned.block_ids)
-        return KVTicket(ticket_id=ticket_id, prefill_node_id=name, incarnation=loop.incarnation,
-                        transfer_endpoint=metadata, block_ids=tuple(blocks), num_tokens=pinned.num_tokens,
-                        layout_hash=layout_hash, lease_deadline=deadline, checksum=kv_checksum(region, blocks),
+        return KVTicket(ticket_id=ticket_id, prefill_node_id=name, prefill_address=address,
+                        incarnation=loop.incarnation, transfer_endpoint=metadata, block_ids=tuple(blocks),
+                        num_tokens=pinned.num_tokens, layout_hash=layout_hash, lease_deadline=deadline,
                         block_checksums=block_checksums(region, blocks))
 
     async_engine = AsyncEngine(engine)
     # the owner of registered memory must keep the transfer library progressing (ENV-NOTES: NIXL)
     async_engine.add_ticker(lambda _: connector.progress())
     loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket)
-    service = PrefillService(loop, async_engine, f"{args.host}:{args.port}", layout_hash, args.model,
-                             args.kv_backend)
-    identity = NodeIdentity(name, Role.PREFILL, advertised_address(args), args.model, layout_hash, args.kv_backend,
-                            args.hash_seed, loop.incarnation)
+    service = PrefillService(loop, async_engine, layout_hash, args.model, args.kv_backend)
+    identity = NodeIdentity(name, Role.PREFILL, address, args.model, layout_hash, args.kv_backend, args.hash_seed,
+                            loop.incarnation)
 
     run_node(args, async_engine, identity,
              lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(service, server), connector.close)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd
 from engine.llm_engine import LLMEngine, PinnedBlocks
 from engine.types import FinishReason, SamplingParams, StepOutput
-from kvtransfer.ticket import KVTicket
+from wire import KVTicket
 
 logger = logging.getLogger(__name__)
 

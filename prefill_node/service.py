@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -9,29 +10,21 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
-from kvtransfer.ticket import KVTicket
+from node_common.load import engine_stats
 from prefill_node.loop import PrefillError, PrefillLoop
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from protos.convert import engine_stats, logprobs_to_proto, params_from_proto
+from protos.convert import logprobs_to_proto, params_from_proto, stats_to_proto, ticket_to_proto
+from wire import NodeStats
 
 logger = logging.getLogger(__name__)
 
 
-def ticket_to_proto(ticket: KVTicket, prefill_address: str) -> pb.KVTicket:
-    return pb.KVTicket(
-        ticket_id=ticket.ticket_id, prefill_node_id=ticket.prefill_node_id, incarnation=ticket.incarnation,
-        transfer_metadata=ticket.transfer_endpoint, block_ids=list(ticket.block_ids), num_tokens=ticket.num_tokens,
-        layout_hash=ticket.layout_hash, lease_deadline=ticket.lease_deadline, checksum=ticket.checksum,
-        block_checksums=list(ticket.block_checksums), prefill_address=prefill_address)
-
-
 class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, loop: PrefillLoop, engine: AsyncEngine, address: str, layout_hash: str, model: str,
-                 kv_backend: str) -> None:
+    def __init__(self, loop: PrefillLoop, engine: AsyncEngine, layout_hash: str, model: str, kv_backend: str
+                 ) -> None:
         self.loop = loop
         self.engine = engine
-        self.address = address
         self.layout_hash = layout_hash
         self.model = model
         self.kv_backend = kv_backend
@@ -56,7 +49,7 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
         if first_logprobs is not None:
             response.first_logprobs.CopyFrom(first_logprobs)
         if result.ticket is not None:
-            response.ticket.CopyFrom(ticket_to_proto(result.ticket, self.address))
+            response.ticket.CopyFrom(ticket_to_proto(result.ticket))
         return response
 
     async def Release(self, request: pb.TicketRef, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
@@ -76,10 +69,8 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
                                  model=self.model, kv_backend=self.kv_backend)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        def stats(engine: LLMEngine) -> pb.StatsResponse:
-            response = engine_stats(engine)
-            response.num_pinned_tickets = self.loop.num_pinned
-            response.num_leases_expired = self.loop.num_leases_expired
-            return response
+        def stats(engine: LLMEngine) -> NodeStats:
+            return dataclasses.replace(engine_stats(engine), num_pinned_tickets=self.loop.num_pinned,
+                                       num_leases_expired=self.loop.num_leases_expired)
 
-        return await self.engine.call(stats)
+        return stats_to_proto(await self.engine.call(stats))

@@ -1,17 +1,17 @@
-"""Conversions between the wire (protobuf) and our own types; protobuf stops here and at the service files."""
+"""Conversions between protobuf messages and our own types (engine.types, wire): the gRPC edge.
+
+Protobuf stops here and at the service/clients files that call these; everything behind them uses our own
+types. Torch-free: the proxy imports it.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from engine.types import Logprob, PositionLogprobs, SamplingParams
-from node_common.registry import engine_load
 from protos import tandem_pb2 as pb
-
-if TYPE_CHECKING:  # the proxy imports this module and must not pull in torch
-    from engine.llm_engine import LLMEngine
+from wire import InvalidTicketError, KVTicket, NodeCapacity, NodeLoad, NodeStats
 
 
+# ---- sampling parameters ----
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
@@ -38,6 +38,7 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None)
 
 
+# ---- logprobs ----
 def logprobs_to_proto(position: PositionLogprobs | None) -> pb.PositionLogprobs | None:
     if position is None:
         return None
@@ -51,12 +52,47 @@ def logprobs_from_proto(msg: pb.PositionLogprobs) -> PositionLogprobs | None:
     return {e.token_id: Logprob(e.logprob, e.rank) for e in msg.entries}
 
 
-def engine_stats(engine: LLMEngine) -> pb.StatsResponse:
-    """The Stats fields every node reports (call on the engine thread); each role adds its own counters."""
-    load = engine_load(engine)
+# ---- the KV ticket ----
+def ticket_to_proto(ticket: KVTicket) -> pb.KVTicket:
+    return pb.KVTicket(
+        ticket_id=ticket.ticket_id, prefill_node_id=ticket.prefill_node_id, prefill_address=ticket.prefill_address,
+        incarnation=ticket.incarnation, transfer_metadata=ticket.transfer_endpoint, block_ids=list(ticket.block_ids),
+        num_tokens=ticket.num_tokens, layout_hash=ticket.layout_hash, lease_deadline=ticket.lease_deadline,
+        block_checksums=list(ticket.block_checksums))
+
+
+def ticket_from_proto(msg: pb.KVTicket) -> KVTicket:
+    """Raises InvalidTicketError for a malformed ticket (a missing field reads as its empty default)."""
+    if not isinstance(msg, pb.KVTicket):
+        raise InvalidTicketError(f"a ticket is a KVTicket message, got {type(msg).__name__}")
+    return KVTicket(ticket_id=msg.ticket_id, prefill_node_id=msg.prefill_node_id,
+                    prefill_address=msg.prefill_address, incarnation=msg.incarnation,
+                    transfer_endpoint=msg.transfer_metadata, block_ids=tuple(msg.block_ids),
+                    num_tokens=msg.num_tokens, layout_hash=msg.layout_hash, lease_deadline=msg.lease_deadline,
+                    block_checksums=tuple(msg.block_checksums))
+
+
+# ---- a node's stats ----
+def stats_to_proto(stats: NodeStats) -> pb.StatsResponse:
+    capacity, load = stats.capacity, stats.load
     return pb.StatsResponse(
-        free_kv_blocks=load.free_kv_blocks, total_kv_blocks=engine.kv.num_blocks,
-        num_running=load.num_running, num_waiting=load.num_waiting,
-        prefix_cache_queries=engine.kv.num_queried_tokens, prefix_cache_hits=engine.kv.num_hit_tokens,
-        max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens,
-        num_queued_prefill_tokens=load.num_queued_prefill_tokens)
+        free_kv_blocks=load.free_kv_blocks, total_kv_blocks=capacity.total_kv_blocks, num_running=load.num_running,
+        num_waiting=load.num_waiting, num_queued_prefill_tokens=load.num_queued_prefill_tokens,
+        max_num_seqs=capacity.max_num_seqs, max_num_batched_tokens=capacity.max_num_batched_tokens,
+        prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+        num_pinned_tickets=stats.num_pinned_tickets, num_leases_expired=stats.num_leases_expired,
+        num_transfer_failures=stats.num_transfer_failures, kv_transfer_bytes=stats.kv_transfer_bytes,
+        kv_transfer_count=stats.kv_transfer_count, kv_transfer_seconds_sum=stats.kv_transfer_seconds_sum)
+
+
+def stats_from_proto(msg: pb.StatsResponse) -> NodeStats:
+    """The capacity's block_size is 0: Stats does not report it."""
+    return NodeStats(
+        capacity=NodeCapacity(total_kv_blocks=msg.total_kv_blocks, max_num_seqs=msg.max_num_seqs,
+                              max_num_batched_tokens=msg.max_num_batched_tokens, block_size=0),
+        load=NodeLoad(free_kv_blocks=msg.free_kv_blocks, num_running=msg.num_running, num_waiting=msg.num_waiting,
+                      num_queued_prefill_tokens=msg.num_queued_prefill_tokens),
+        prefix_cache_queries=msg.prefix_cache_queries, prefix_cache_hits=msg.prefix_cache_hits,
+        num_pinned_tickets=msg.num_pinned_tickets, num_leases_expired=msg.num_leases_expired,
+        num_transfer_failures=msg.num_transfer_failures, kv_transfer_bytes=msg.kv_transfer_bytes,
+        kv_transfer_count=msg.kv_transfer_count, kv_transfer_seconds_sum=msg.kv_transfer_seconds_sum)

@@ -53,7 +53,7 @@ class PositionLogprobs(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVTicket(_message.Message):
-    __slots__ = ("ticket_id", "prefill_node_id", "incarnation", "transfer_metadata", "block_ids", "num_tokens", "layout_hash", "lease_deadline", "checksum", "block_checksums", "prefill_address")
+    __slots__ = ("ticket_id", "prefill_node_id", "incarnation", "transfer_metadata", "block_ids", "num_tokens", "layout_hash", "lease_deadline", "block_checksums", "prefill_address")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -62,7 +62,6 @@ class KVTicket(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ticket_id: str
@@ -73,10 +72,9 @@ class KVTicket(_message.Message):
     num_tokens: int
     layout_hash: str
     lease_deadline: float
-    checksum: str
     block_checksums: _containers.RepeatedScalarFieldContainer[str]
     prefill_address: str
-    def __init__(self, ticket_id: _Optional[str] = ..., prefill_node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., transfer_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_hash: _Optional[str] = ..., lease_deadline: _Optional[float] = ..., checksum: _Optional[str] = ..., block_checksums: _Optional[_Iterable[str]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, ticket_id: _Optional[str] = ..., prefill_node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., transfer_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout_hash: _Optional[str] = ..., lease_deadline: _Optional[float] = ..., block_checksums: _Optional[_Iterable[str]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "deadline")

@@ -30,6 +30,7 @@ from proxy.metrics import poll_nodes
 from proxy.openai_api import APIError, Generation, bad_request, parse_chat, parse_completion
 from proxy.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
 from proxy.serving import ProxyState, SubRequest, fan_out, generate
+from wire import Role
 
 __all__ = ["ProxyState", "create_app", "read_max_model_len"]
 
@@ -55,19 +56,19 @@ def read_max_model_len(model_dir: Path, override: int | None = None) -> int | No
 
 
 def create_app(state: ProxyState) -> Starlette:
-    state.metrics.cluster.decision_counts = lambda: _decision_counts(state)
+    state.metrics.cluster.decision_counts = lambda: state.pipeline.router.decision_counts
 
     async def health(request: Request) -> Response:
-        await _start_pipeline(state)
-        nodes = await poll_nodes(state.pipeline, with_stats=False)
-        ready = {role: sum(1 for n in nodes if n.role == role and n.up) for role in ("prefill", "decode")}
+        await state.pipeline.start()  # idempotent: /health sees registered nodes before any request
+        nodes = await poll_nodes(state.pipeline.directory, with_stats=False)
+        ready = {role.value: sum(1 for n in nodes if n.role is role and n.up) for role in Role}
         # a decode node can serve alone (the router colocates when no prefill node can take a request)
         status = "unavailable" if not ready["decode"] else "ok" if ready["prefill"] else "degraded"
         return JSONResponse({"status": status, "ready_nodes": ready}, status_code=503 if not ready["decode"] else 200)
 
     async def metrics(request: Request) -> Response:
-        await _start_pipeline(state)
-        state.metrics.cluster.nodes = await poll_nodes(state.pipeline)
+        await state.pipeline.start()
+        state.metrics.cluster.nodes = await poll_nodes(state.pipeline.directory)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card() -> dict[str, Any]:
@@ -123,13 +124,11 @@ def create_app(state: ProxyState) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await _start_pipeline(state)
+        await state.pipeline.start()
         try:
             yield
         finally:
-            close = getattr(state.pipeline, "close", None)
-            if close is not None:
-                await close()
+            await state.pipeline.close()
 
     return Starlette(lifespan=lifespan, routes=[
         Route("/health", health), Route("/metrics", metrics),
@@ -137,19 +136,6 @@ def create_app(state: ProxyState) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ], exception_handlers={HTTPException: http_error, Exception: internal_error})
-
-
-async def _start_pipeline(state: ProxyState) -> None:
-    """Loads the pipeline's node table (idempotent), so /health sees registered nodes before any request."""
-    start = getattr(state.pipeline, "start", None)
-    if start is not None:
-        await start()
-
-
-def _decision_counts(state: ProxyState) -> Any:
-    """The router's counts of routing decisions by mode, where the pipeline has a router that keeps them."""
-    router = getattr(state.pipeline, "router", None)
-    return getattr(router, "decision_counts", None) or getattr(state.pipeline, "decision_counts", None)
 
 
 # ---- the request edge ----

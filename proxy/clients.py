@@ -1,4 +1,4 @@
-"""gRPC clients of the prefill and decode nodes. Protobuf stays here: callers get our own types."""
+"""gRPC clients of the prefill and decode nodes. Protobuf stays here: callers get our own types (wire, engine.types)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ from dataclasses import dataclass
 import grpc
 
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
-from node_common.registry import NodeCapacity, NodeLoad
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from protos.convert import logprobs_from_proto, params_to_proto
+from protos.convert import logprobs_from_proto, params_to_proto, stats_from_proto, ticket_from_proto, ticket_to_proto
+from wire import RETRYABLE_KEY, InvalidTicketError, KVTicket, NodeCapacity, NodeLoad, NodeStats
 
-RETRYABLE_KEY = "tandem-retryable"
 # A node that restarts is reachable again within a second: gRPC's default reconnect backoff grows to 2 minutes,
 # and a channel in backoff fails calls at once.
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -38,7 +37,7 @@ class Prefilled:
     first_logprobs: PositionLogprobs | None
     finish_reason: FinishReason | None
     num_cached_tokens: int
-    ticket: pb.KVTicket | None  # opaque to the proxy: handed from P to D as it came
+    ticket: KVTicket | None  # None when the first token finished the request
 
 
 @dataclass(frozen=True)
@@ -48,27 +47,6 @@ class Decoded:
     finish_reason: FinishReason | None
     stop_token_id: int | None
     num_cached_tokens: int | None = None  # a colocated request's prefix hit on D (first output only)
-
-
-@dataclass(frozen=True)
-class StatsReport:
-    """A node's Stats: its load, capacity and counters."""
-
-    free_kv_blocks: int
-    total_kv_blocks: int
-    num_running: int
-    num_waiting: int
-    num_pinned_tickets: int
-    num_leases_expired: int
-    num_transfer_failures: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    num_queued_prefill_tokens: int
-    kv_transfer_bytes: int = 0
-    kv_transfer_count: int = 0
-    kv_transfer_seconds_sum: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -112,22 +90,14 @@ class NodeClient:
     async def health(self, timeout: float = 2.0) -> pb.HealthResponse:
         return await self.stub.Health(pb.HealthRequest(), timeout=timeout)
 
-    async def stats(self, timeout: float = 2.0) -> StatsReport:
+    async def stats(self, timeout: float = 2.0) -> NodeStats:
         """Raises grpc.aio.AioRpcError when the node does not answer."""
-        r = await self.stub.Stats(pb.StatsRequest(), timeout=timeout)
-        return StatsReport(r.free_kv_blocks, r.total_kv_blocks, r.num_running, r.num_waiting, r.num_pinned_tickets,
-                           r.num_leases_expired, r.num_transfer_failures, r.prefix_cache_queries,
-                           r.prefix_cache_hits, r.max_num_seqs, r.max_num_batched_tokens, r.num_queued_prefill_tokens,
-                           r.kv_transfer_bytes, r.kv_transfer_count, r.kv_transfer_seconds_sum)
+        return stats_from_proto(await self.stub.Stats(pb.StatsRequest(), timeout=timeout))
 
     async def status(self, timeout: float = 2.0) -> NodeStatus:
         """Health and Stats together. Raises grpc.aio.AioRpcError when the node does not answer."""
         health, stats = await asyncio.gather(self.health(timeout), self.stats(timeout))
-        capacity = NodeCapacity(total_kv_blocks=stats.total_kv_blocks, max_num_seqs=stats.max_num_seqs,
-                                max_num_batched_tokens=stats.max_num_batched_tokens, block_size=0)
-        load = NodeLoad(free_kv_blocks=stats.free_kv_blocks, num_running=stats.num_running,
-                        num_waiting=stats.num_waiting, num_queued_prefill_tokens=stats.num_queued_prefill_tokens)
-        return NodeStatus(health.ready, health.node_id, health.layout_hash, capacity, load)
+        return NodeStatus(health.ready, health.node_id, health.layout_hash, stats.capacity, stats.load)
 
 
 class PrefillClient(NodeClient):
@@ -143,11 +113,15 @@ class PrefillClient(NodeClient):
             r = await self.stub.Prefill(message, timeout=max(0.1, deadline - time.time()))
         except grpc.aio.AioRpcError as e:
             raise _error(f"prefill {self.address}", e) from e
+        try:
+            ticket = ticket_from_proto(r.ticket) if r.HasField("ticket") else None
+        except InvalidTicketError as e:  # a bug on P: no other node would do better
+            raise NodeError(f"prefill {self.address}", grpc.StatusCode.INTERNAL, f"malformed KV ticket: {e}",
+                            retryable=False) from e
         return Prefilled(r.first_token, logprobs_from_proto(r.first_logprobs),
-                         FinishReason(r.finish_reason) if r.finish_reason else None, r.num_cached_tokens,
-                         r.ticket if r.HasField("ticket") else None)
+                         FinishReason(r.finish_reason) if r.finish_reason else None, r.num_cached_tokens, ticket)
 
-    async def release(self, ticket: pb.KVTicket) -> None:
+    async def release(self, ticket: KVTicket) -> None:
         ref = pb.TicketRef(ticket_id=ticket.ticket_id, incarnation=ticket.incarnation)
         try:
             await self.stub.Release(ref, timeout=2.0)
@@ -174,7 +148,7 @@ class DecodeClient(NodeClient):
                                      params=params_to_proto(params), deadline=deadline)
         if prefilled is not None:
             assert prefilled.ticket is not None, "a prefilled request reaches D only with its ticket"
-            message.ticket.CopyFrom(prefilled.ticket)
+            message.ticket.CopyFrom(ticket_to_proto(prefilled.ticket))
             message.first_token = prefilled.first_token
         call = self.stub.Generate(message, timeout=max(0.1, deadline - time.time()))
         first = True

@@ -20,11 +20,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+
+from proxy.directory import NodeDirectory, NodeView
+from wire import NodeCapacity, NodeLoad, NodeStats, Role
 
 logger = logging.getLogger(__name__)
 
@@ -43,28 +45,15 @@ prometheus_client.disable_created_metrics()
 
 
 @dataclass(frozen=True)
-class NodeStats:
-    """What is known of a node's state; None: not known (the node was not asked, or does not say)."""
-
-    free_kv_blocks: int | None = None
-    total_kv_blocks: int | None = None
-    num_running: int | None = None
-    num_waiting: int | None = None
-    num_leases_expired: int | None = None
-    num_transfer_failures: int | None = None
-    prefix_cache_queries: int | None = None
-    prefix_cache_hits: int | None = None
-    kv_transfer_bytes: int | None = None
-    kv_transfer_count: int | None = None
-    kv_transfer_seconds_sum: float | None = None
-
-
-@dataclass(frozen=True)
 class NodeSnapshot:
+    """A node as one scrape saw it: its Stats when it answered, else the routing table's load and capacity."""
+
     node_id: str
-    role: str  # "prefill" | "decode"
-    up: bool  # answered and ready
-    stats: NodeStats = NodeStats()
+    role: Role
+    up: bool  # healthy and taking requests
+    capacity: NodeCapacity
+    load: NodeLoad
+    stats: NodeStats | None = None  # None: not asked, or no answer (the node's counters are then unknown)
 
 
 class RequestRecorder:
@@ -189,19 +178,23 @@ class ClusterCollector:
         transfer_seconds = SummaryMetricFamily("tandem:kv_transfer_seconds", "KV pulls, from the READ to the "
                                                "verified checksums.", labels=labels)
         for node in self.nodes:
-            values = [m, node.node_id, node.role]
+            values = [m, node.node_id, node.role.value]
             up.add_metric(values, 1 if node.up else 0)
             s = node.stats
-            if s.free_kv_blocks is not None and s.total_kv_blocks:
-                usage.add_metric(values, 1 - s.free_kv_blocks / s.total_kv_blocks)
-            for family, value in ((waiting, s.num_waiting), (running, s.num_running),
-                                  (queries, s.prefix_cache_queries), (hits, s.prefix_cache_hits),
-                                  (expired, s.num_leases_expired if node.role == "prefill" else None),
-                                  (failures, s.num_transfer_failures if node.role == "decode" else None)):
-                if value is not None:
-                    family.add_metric(values, value)
-            if node.role == "decode" and s.kv_transfer_count is not None and s.kv_transfer_seconds_sum is not None:
-                transfer_bytes.add_metric(values, s.kv_transfer_bytes or 0)
+            capacity, load = (s.capacity, s.load) if s is not None else (node.capacity, node.load)
+            if capacity.total_kv_blocks:  # 0: not known yet
+                usage.add_metric(values, 1 - load.free_kv_blocks / capacity.total_kv_blocks)
+            waiting.add_metric(values, load.num_waiting)
+            running.add_metric(values, load.num_running)
+            if s is None:
+                continue
+            queries.add_metric(values, s.prefix_cache_queries)
+            hits.add_metric(values, s.prefix_cache_hits)
+            if node.role is Role.PREFILL:
+                expired.add_metric(values, s.num_leases_expired)
+            else:
+                failures.add_metric(values, s.num_transfer_failures)
+                transfer_bytes.add_metric(values, s.kv_transfer_bytes)
                 transfer_seconds.add_metric(values, count_value=s.kv_transfer_count,
                                             sum_value=s.kv_transfer_seconds_sum)
         yield from (up, usage, waiting, running, queries, hits, expired, failures, transfer_bytes, transfer_seconds)
@@ -209,54 +202,23 @@ class ClusterCollector:
 
 # ---- what the nodes say ----
 
-def _stats_of(load: Any, capacity: Any = None, counters: Any = None) -> NodeStats:
-    """NodeStats from whatever objects carry the fields (a routing table's load and capacity, a Stats reply)."""
+async def poll_nodes(directory: NodeDirectory, with_stats: bool = True) -> list[NodeSnapshot]:
+    """Every node the directory knows (registered or static, healthy or not), with its Stats when
+    `with_stats` and it answers within NODE_POLL_TIMEOUT_S."""
 
-    def field(name: str) -> int | None:
-        for source in (counters, load, capacity):
-            value = getattr(source, name, None)
-            if isinstance(value, int):
-                return value
-        return None
+    async def poll(node: NodeView) -> NodeSnapshot:
+        stats = await _ask_stats(directory, node) if with_stats else None
+        return NodeSnapshot(node.node_id, node.role, node.healthy and not node.draining, node.capacity, node.load,
+                            stats)
 
-    total = field("total_kv_blocks")
-    return NodeStats(free_kv_blocks=field("free_kv_blocks"), total_kv_blocks=total or None,
-                     num_running=field("num_running"), num_waiting=field("num_waiting"),
-                     num_leases_expired=field("num_leases_expired"),
-                     num_transfer_failures=field("num_transfer_failures"),
-                     prefix_cache_queries=field("prefix_cache_queries"), prefix_cache_hits=field("prefix_cache_hits"),
-                     kv_transfer_bytes=field("kv_transfer_bytes"), kv_transfer_count=field("kv_transfer_count"),
-                     kv_transfer_seconds_sum=getattr(counters, "kv_transfer_seconds_sum", None))
+    return list(await asyncio.gather(*(poll(node) for node in directory.all_nodes())))
 
 
-async def _ask(call: Any) -> Any:
-    """A node RPC with a short timeout; None when it fails (a node down is a fact to report, not an error)."""
+async def _ask_stats(directory: NodeDirectory, node: NodeView) -> NodeStats | None:
+    """A node's Stats; None when it does not answer (a node down is a fact to report, not an error)."""
     try:
-        return await asyncio.wait_for(call(timeout=NODE_POLL_TIMEOUT_S), NODE_POLL_TIMEOUT_S * 2)
-    except Exception as e:
-        logger.debug("a node did not answer: %r", e)
+        return await asyncio.wait_for(directory.client(node).stats(timeout=NODE_POLL_TIMEOUT_S),
+                                      NODE_POLL_TIMEOUT_S * 2)
+    except Exception as e:  # noqa: BLE001 - any failure means "no answer"
+        logger.debug("node %s did not answer Stats: %r", node.node_id, e)
         return None
-
-
-async def poll_nodes(pipeline: Any, with_stats: bool = True) -> list[NodeSnapshot]:
-    """Every node behind the pipeline: from its routing table when it has one (NodeDirectory), else from its
-    static client lists by asking each node's Health. With `with_stats`, also each node's counters where
-    its client can fetch them (`stats()`)."""
-    directory = getattr(pipeline, "directory", None)
-    if directory is not None and hasattr(directory, "all_nodes"):
-        targets = [(n.role.value, n.node_id, directory.client(n), n) for n in directory.all_nodes()]
-    else:
-        targets = ([("prefill", c.address, c, None) for c in getattr(pipeline, "prefill_nodes", [])]
-                   + [("decode", c.address, c, None) for c in getattr(pipeline, "decode_nodes", [])])
-
-    async def poll(role: str, node_id: str, client: Any, known: Any) -> NodeSnapshot:
-        stats_call = getattr(client, "stats", None)
-        counters = await _ask(stats_call) if with_stats and stats_call is not None else None
-        if known is not None:
-            up = bool(getattr(known, "healthy", True)) and not getattr(known, "draining", False)
-            return NodeSnapshot(node_id, role, up, _stats_of(known.load, known.capacity, counters))
-        health = await _ask(client.health)
-        up = bool(getattr(health, "ready", False))
-        return NodeSnapshot(getattr(health, "node_id", "") or node_id, role, up, _stats_of(counters))
-
-    return list(await asyncio.gather(*(poll(*target) for target in targets)))

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import grpc
 
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
-from node_common.registry import Role
 from proxy.clients import DecodeClient, NodeError, PrefillClient, Prefilled
-from proxy.registry import NodeDirectory, NodeState
+from proxy.directory import NodeDirectory, NodeView
 from proxy.router import Mode, Route, Router, RouterConfig, RoutingPolicy
+from wire import Role
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class PDPipeline:
                 await asyncio.shield(_cleanup(self.directory.decode_client(decode),
                                               self.directory.prefill_client(holder), request_id, prefilled))
 
-    async def _prefill(self, node: NodeState, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def _prefill(self, node: NodeView, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float) -> Prefilled:
         client = self.directory.prefill_client(node)
         with self.router.prefilling(node, len(prompt_token_ids)):
@@ -188,7 +188,7 @@ class PDPipeline:
                 raise
 
 
-async def _pause_if_same(failed: NodeState, chosen: NodeState, retries: int) -> None:
+async def _pause_if_same(failed: NodeView, chosen: NodeView, retries: int) -> None:
     """Before retrying on the node that just failed (no other could take it): a restarting node needs a moment,
     and its channel retries the connection within a second."""
     if chosen.address == failed.address:

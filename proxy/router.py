@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.hashing import BlockHash, block_hashes
-from node_common.registry import Role
+from proxy.directory import NodeView
 from proxy.errors import NoHealthyNodes, Overloaded
 from proxy.prefix_index import PrefixIndex
-from proxy.registry import NodeState
+from wire import Role
 
 
 class RoutingPolicy(enum.Enum):
@@ -74,8 +74,8 @@ class RouterConfig:
 @dataclass(frozen=True)
 class Route:
     mode: Mode
-    decode: NodeState
-    prefill: NodeState | None  # None when colocated
+    decode: NodeView
+    prefill: NodeView | None  # None when colocated
     num_prompt_tokens: int
     prompt_hashes: tuple[BlockHash, ...]
     decode_hit_tokens: int = 0
@@ -83,11 +83,11 @@ class Route:
 
 
 class NodeSource(Protocol):
-    """The live table (proxy.registry.NodeDirectory; a plain list in unit tests)."""
+    """The live table (proxy.directory.NodeDirectory; a plain list in unit tests)."""
 
     index: PrefixIndex
 
-    def nodes(self, role: Role) -> list[NodeState]:
+    def nodes(self, role: Role) -> list[NodeView]:
         """The nodes of a role that may take new requests."""
         ...
 
@@ -125,7 +125,7 @@ class Router:
         self.decision_counts[route.mode.value] += 1
         return route
 
-    def _route_by_cost(self, num_tokens: int, hashes: tuple[BlockHash, ...], decode_nodes: list[NodeState]
+    def _route_by_cost(self, num_tokens: int, hashes: tuple[BlockHash, ...], decode_nodes: list[NodeView]
                        ) -> Route:
         hits = self._hit_tokens(hashes, num_tokens, decode_nodes)
         open_nodes = [n for n in decode_nodes if not self._saturated(n)]
@@ -140,7 +140,7 @@ class Router:
             return Route(Mode.COLOCATED, decode, None, num_tokens, hashes, decode_hit)
         return Route(Mode.DISAGGREGATED, decode, prefill, num_tokens, hashes, decode_hit, prefill_hit)
 
-    def another_prefill(self, route: Route, decode: NodeState, exclude: Collection[str]) -> NodeState | None:
+    def another_prefill(self, route: Route, decode: NodeView, exclude: Collection[str]) -> NodeView | None:
         """A prefill node for a retry: one not in `exclude` if any can take it, else the best of all (a
         transient failure may pass); None when no prefill node pairs with `decode`."""
         if self.config.policy is RoutingPolicy.ROUND_ROBIN:
@@ -153,7 +153,7 @@ class Router:
                 return node
         return None
 
-    def another_decode(self, exclude: Collection[str]) -> NodeState | None:
+    def another_decode(self, exclude: Collection[str]) -> NodeView | None:
         """A decode node to continue a request whose D failed before streaming (none: None)."""
         nodes = [n for n in self.source.nodes(Role.DECODE) if n.address not in exclude and not self._saturated(n)]
         if not nodes:
@@ -162,8 +162,8 @@ class Router:
             return self._next(Role.DECODE, nodes)
         return min(nodes, key=lambda n: (self._seats(n), n.address))
 
-    def _best_prefill(self, num_tokens: int, hashes: tuple[BlockHash, ...], decode: NodeState,
-                      exclude: Collection[str]) -> tuple[NodeState | None, int]:
+    def _best_prefill(self, num_tokens: int, hashes: tuple[BlockHash, ...], decode: NodeView,
+                      exclude: Collection[str]) -> tuple[NodeView | None, int]:
         candidates = [n for n in self._prefill_candidates(decode)
                       if n.address not in exclude and not self._saturated(n)]
         if not candidates:
@@ -173,13 +173,13 @@ class Router:
                                               self._busy(n), n.address))
         return best, hits.get(best.node_id, 0)
 
-    def _prefill_candidates(self, decode: NodeState) -> list[NodeState]:
+    def _prefill_candidates(self, decode: NodeView) -> list[NodeView]:
         """Prefill nodes whose KV layout D can read (unknown layouts are given the benefit of the doubt)."""
         return [n for n in self.source.nodes(Role.PREFILL)
                 if not (n.layout_hash and decode.layout_hash and n.layout_hash != decode.layout_hash)]
 
     # ---- scores (lower is better) ----
-    def decode_score(self, node: NodeState, num_tokens: int, hit_tokens: int) -> float:
+    def decode_score(self, node: NodeView, num_tokens: int, hit_tokens: int) -> float:
         score = self._seats(node) - self.config.hit_weight * hit_tokens / max(num_tokens, 1)
         total = node.capacity.total_kv_blocks
         if total:
@@ -188,11 +188,11 @@ class Router:
             score += (total - node.load.free_kv_blocks + needed) / total
         return score
 
-    def prefill_score(self, node: NodeState, num_tokens: int, hit_tokens: int) -> float:
+    def prefill_score(self, node: NodeView, num_tokens: int, hit_tokens: int) -> float:
         work = self._queued_prefill_tokens(node) + num_tokens - hit_tokens
         return work / (node.capacity.max_num_batched_tokens or 2048)
 
-    def _hit_tokens(self, hashes: tuple[BlockHash, ...], num_tokens: int, nodes: Sequence[NodeState]
+    def _hit_tokens(self, hashes: tuple[BlockHash, ...], num_tokens: int, nodes: Sequence[NodeView]
                     ) -> dict[str, int]:
         aware = [n.node_id for n in nodes if n.prefix_aware]
         if not aware or not hashes:
@@ -202,28 +202,28 @@ class Router:
                 for node_id, depth in self.source.index.match(hashes, aware).items()}
 
     # ---- load ----
-    def _busy(self, node: NodeState) -> int:
+    def _busy(self, node: NodeView) -> int:
         reported = node.load.num_running + node.load.num_waiting
         return max(reported, self._inflight_of(node).requests)
 
-    def _seats(self, node: NodeState) -> float:
+    def _seats(self, node: NodeView) -> float:
         return self._busy(node) / node.capacity.max_num_seqs if node.capacity.max_num_seqs else 0.0
 
-    def _queued_prefill_tokens(self, node: NodeState) -> int:
+    def _queued_prefill_tokens(self, node: NodeView) -> int:
         return max(node.load.num_queued_prefill_tokens, self._inflight_of(node).prefill_tokens)
 
-    def _saturated(self, node: NodeState) -> bool:
+    def _saturated(self, node: NodeView) -> bool:
         if self._seats(node) >= self.config.max_queue_factor:
             return True
         step = node.capacity.max_num_batched_tokens
         return (node.role is Role.PREFILL and step > 0
                 and self._queued_prefill_tokens(node) >= self.config.max_prefill_queue_steps * step)
 
-    def _inflight_of(self, node: NodeState) -> _InFlight:
+    def _inflight_of(self, node: NodeView) -> _InFlight:
         return self._inflight.get(node.address) or _InFlight()
 
     @contextlib.contextmanager
-    def prefilling(self, node: NodeState, num_tokens: int) -> Iterator[None]:
+    def prefilling(self, node: NodeView, num_tokens: int) -> Iterator[None]:
         """Counts a prefill this proxy has in flight on `node` (its load until the node's next report)."""
         inflight = self._inflight.setdefault(node.address, _InFlight())
         inflight.requests += 1
@@ -235,7 +235,7 @@ class Router:
             inflight.prefill_tokens -= num_tokens
 
     @contextlib.contextmanager
-    def decoding(self, node: NodeState) -> Iterator[None]:
+    def decoding(self, node: NodeView) -> Iterator[None]:
         """Counts a request this proxy has streaming from `node`."""
         inflight = self._inflight.setdefault(node.address, _InFlight())
         inflight.requests += 1
@@ -244,7 +244,7 @@ class Router:
         finally:
             inflight.requests -= 1
 
-    def _next(self, role: Role, nodes: list[NodeState]) -> NodeState:
+    def _next(self, role: Role, nodes: list[NodeView]) -> NodeView:
         if not nodes:
             raise NoHealthyNodes(f"no healthy {role.value} node")
         return nodes[next(self._turn[role]) % len(nodes)]

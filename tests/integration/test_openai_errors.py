@@ -16,8 +16,8 @@ import uvicorn
 
 from engine.tokenizer import load_tokenizer
 from proxy.app import ProxyState, create_app
+from proxy.directory import NodeDirectory
 from proxy.pd import PDPipeline
-from proxy.registry import NodeDirectory
 from proxy.router import Router, RouterConfig
 from tests.fixtures.tiny_models import TinyModelFactory
 from tests.integration.openai_cluster import (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,9 +189,28 @@ def test_bad_tickets_get_clear_errors_and_the_node_survives(cluster: Cluster) ->
     with pytest.raises(grpc.aio.AioRpcError) as e:
         asyncio.run(_generate(cluster.decode_address, prompt, garbled))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "layout" in (e.value.details() or "")
+    malformed = pb.PrefillResponse()
+    malformed.CopyFrom(prefilled)
+    del malformed.ticket.block_checksums[-1]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(_generate(cluster.decode_address, prompt, malformed))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksums" in (e.value.details() or "")
     # the real ticket still works afterwards
     assert len(asyncio.run(_generate(cluster.decode_address, prompt, prefilled))) == 7
     assert cluster.decode.alive and cluster.prefill.alive
+
+
+def test_a_ticket_names_the_prefill_nodes_advertised_address_not_its_bind_host(tiny_model: TinyModelFactory,
+                                                                              tmp_path: Path) -> None:
+    # bound to every interface and given no --advertise-address, a node advertises its host name (what the
+    # registry holds too): a decode node that called the bind address would call 0.0.0.0
+    node, address = start_node("prefill", tiny_model("llama"), "nixl", tmp_path, ["--host", "0.0.0.0"])
+    try:
+        prefilled = asyncio.run(_prefill(address, prompts(1, 10, seed=11)[0]))
+    finally:
+        node.stop()
+    port = address.rsplit(":", 1)[1]
+    assert prefilled.ticket.prefill_address == f"{socket.getfqdn()}:{port}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

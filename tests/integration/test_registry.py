@@ -19,12 +19,12 @@ import pytest
 import redis
 
 from engine.hashing import block_hashes
-from node_common.registry import NodeRecord, Role, node_key
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from proxy.registry import NodeDirectory
+from proxy.directory import NodeDirectory
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 from tests.integration.processes import Process, RedisServer, free_port, start_proxy
+from wire import NodeRecord, Role, node_key
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -227,14 +227,53 @@ def test_colocated_and_disaggregated_requests_equal_transformers(cluster: Regist
     assert 'tandem:pd_decisions_total{mode="disaggregated"' in metrics
 
 
-def test_a_node_that_stops_heart_beating_leaves_routing_and_comes_back(cluster: RegistryCluster) -> None:
-    node = cluster.decodes[0]
+@dataclass
+class LoneNode:
+    """A registry of its own with one decode node, for a test that stops or kills the node."""
+
+    redis: RedisServer
+    node: Node
+
+    def directory(self) -> NodeDirectory:
+        return NodeDirectory(registry_url=self.redis.url, block_size=BLOCK_SIZE, hash_seed="tandem", poll_s=0.1)
+
+
+@pytest.fixture
+def lone_node(tiny_model: TinyModelFactory, tmp_path: Path) -> Iterator[LoneNode]:
+    server = RedisServer(tmp_path)
+    node = None
+    try:
+        node = start_registered_node("decode", tiny_model("llama"), server.url, tmp_path)
+        node.process.wait_for_line("READY")
+        yield LoneNode(server, node)
+    finally:
+        if node is not None:
+            if node.process.alive:
+                os.killpg(node.process.popen.pid, signal.SIGCONT)
+            node.process.stop()
+        server.stop()
+
+
+def run_lone(body: Callable[[NodeDirectory], Awaitable[T]], lone: LoneNode) -> T:
+    async def main() -> T:
+        directory = lone.directory()
+        await directory.start()
+        try:
+            return await body(directory)
+        finally:
+            await directory.close()
+
+    return asyncio.run(main())
+
+
+def test_a_node_that_stops_heart_beating_leaves_routing_and_comes_back(lone_node: LoneNode) -> None:
+    node = lone_node.node
 
     async def body(directory: NodeDirectory) -> None:
         def present() -> bool:
             return node.address in {n.address for n in directory.nodes(Role.DECODE)}
 
-        assert present()
+        await eventually(present, 5.0, "the node in routing")
         os.kill(node.process.popen.pid, signal.SIGSTOP)
         try:
             # the TTL after its last heartbeat, plus a margin for our poll
@@ -244,21 +283,23 @@ def test_a_node_that_stops_heart_beating_leaves_routing_and_comes_back(cluster: 
             os.kill(node.process.popen.pid, signal.SIGCONT)
         await eventually(present, 5.0, "the resumed node back in routing")
 
-    run(body, cluster)
+    run_lone(body, lone_node)
 
 
-def test_a_node_stopped_cleanly_drains_then_deregisters(cluster: RegistryCluster) -> None:
-    node = cluster.decodes[1]
-    client = redis.Redis.from_url(cluster.redis.url, decode_responses=True)
+def test_a_node_stopped_cleanly_drains_then_deregisters(lone_node: LoneNode) -> None:
+    node = lone_node.node
+    client = redis.Redis.from_url(lone_node.redis.url, decode_responses=True)
 
     async def body(directory: NodeDirectory) -> None:
+        await eventually(lambda: node.address in {n.address for n in directory.nodes(Role.DECODE)}, 5.0,
+                         "the node in routing")
         os.kill(node.process.popen.pid, signal.SIGTERM)
         await eventually(lambda: node.address not in {n.address for n in directory.nodes(Role.DECODE)}, 2.0,
                          "the draining node out of routing")
         record = NodeRecord.from_json(str(client.get(node_key(node.node_id))))
         assert record.draining  # still registered while it finishes its work, but chosen by no one
 
-    run(body, cluster)
+    run_lone(body, lone_node)
     node.process.popen.wait(30)
     # gone at once, not after the TTL: the node deleted its keys on the way out
     assert client.exists(node_key(node.node_id)) == 0

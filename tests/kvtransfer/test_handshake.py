@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import pytest
@@ -22,11 +23,20 @@ def envelope(**changes: Any) -> PeerEnvelope:
     return dataclasses.replace(base, **changes)
 
 
-def test_layout_hash_is_stable_and_covers_every_field() -> None:
+def test_layout_hash_is_the_documented_sha256_of_the_canonical_fields() -> None:
+    # the documented scheme, written out by hand: sha256 of the fields as sorted, compact JSON; first 32 hex digits
+    canonical = ('{"block_size":16,"connector_version":"1","dtype":"bfloat16","hash_seed":"","head_dim":64,'
+                 '"model":"llama-tiny","num_kv_heads":2,"num_layers":4,"tp_size":1}')
+    expected = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    assert CONNECTOR_VERSION == "1"
+    assert LAYOUT.layout_hash == expected
+    assert layout_hash(model="llama-tiny", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
+                       tp_size=1) == expected
+
+
+def test_layout_hash_changes_with_every_field() -> None:
     fields: dict[str, Any] = dict(model="llama-tiny", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64,
                                   block_size=16, tp_size=1)
-    assert layout_hash(**fields) == layout_hash(**fields) == LAYOUT.layout_hash
-    assert layout_hash(**fields, connector_version=CONNECTOR_VERSION) == LAYOUT.layout_hash
     variants = [{**fields, name: value} for name, value in [
         ("model", "other"), ("dtype", "float32"), ("num_layers", 5), ("num_kv_heads", 4), ("head_dim", 128),
         ("block_size", 32), ("tp_size", 2)]]

@@ -13,10 +13,13 @@ import grpc
 import pytest
 
 from engine.types import FinishReason, Logprob, SamplingParams
+from proxy.app import create_app
 from proxy.clients import NodeError
+from proxy.directory import NodeDirectory
 from proxy.openai_api import APIError, parse_chat, parse_completion
-from proxy.pd import TokenChunk
+from proxy.pd import PDPipeline, TokenChunk
 from proxy.responses import ChatFormat, ChoiceDelta, CompletionFormat, Header, TokenLogprob, UsageTally
+from proxy.router import Router
 from proxy.serving import ProxyState, api_error, fan_out, generate
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -118,13 +121,15 @@ def test_node_errors_map_to_http_statuses() -> None:
     assert status(grpc.StatusCode.RESOURCE_EXHAUSTED) == 429 and status(grpc.StatusCode.DATA_LOSS) == 502
 
 
-class ScriptedPipeline:
-    """Stands in for PDPipeline to test the proxy's bookkeeping: each request streams `token_ids` as one-token
-    chunks (choice 1 fails at its `fail_at`th), the last with `finish_reason`, and records whether its stream
-    was closed before the end."""
+class ScriptedPipeline(PDPipeline):
+    """A PDPipeline (with a real, empty directory and router) whose requests are scripted, to test the proxy's
+    bookkeeping: each request streams `token_ids` as one-token chunks (choice 1 fails at its `fail_at`th), the
+    last with `finish_reason`, and records whether its stream was closed before the end."""
 
     def __init__(self, token_ids: list[int], fail_at: int | None = None,
                  finish_reason: FinishReason = FinishReason.LENGTH) -> None:
+        directory = NodeDirectory()
+        super().__init__(directory, Router(directory))
         self.token_ids = token_ids
         self.fail_at = fail_at
         self.finish_reason = finish_reason
@@ -150,7 +155,7 @@ class ScriptedPipeline:
 def _state(tokenizer_dir: Path, pipeline: ScriptedPipeline) -> ProxyState:
     from transformers import AutoTokenizer
 
-    return ProxyState(pipeline, AutoTokenizer.from_pretrained(str(tokenizer_dir)), "m")  # type: ignore[arg-type]
+    return ProxyState(pipeline, AutoTokenizer.from_pretrained(str(tokenizer_dir)), "m")
 
 
 def test_an_error_in_one_choice_closes_the_others(tokenizer_dir: Path) -> None:
@@ -229,3 +234,21 @@ def test_a_stop_string_ends_the_choice_and_closes_its_pipeline_stream(tokenizer_
     assert [d.text for d in deltas] == ["A", "", ""]  # "B" might have begun "BC": held back, then cut
     assert sum(d.num_tokens for d in deltas) == 3 and pipeline.closed_early == ["r-0"]
     assert 'tandem:request_success_total{finished_reason="stop",model_name="m"} 1.0' in state.metrics.render().decode()
+
+
+def test_health_and_metrics_read_the_pipelines_directory_and_router(tokenizer_dir: Path) -> None:
+    import httpx
+
+    state = _state(tokenizer_dir, ScriptedPipeline([1]))
+    state.pipeline.router.decision_counts["colocated"] += 2
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as http:
+            return await http.get("/health"), await http.get("/metrics")
+
+    health, metrics = asyncio.run(run())
+    assert health.status_code == 503  # no decode node in the directory
+    assert health.json() == {"status": "unavailable", "ready_nodes": {"prefill": 0, "decode": 0}}
+    assert metrics.status_code == 200
+    assert 'tandem:pd_decisions_total{mode="colocated",model_name="m"} 2.0' in metrics.text

@@ -12,12 +12,12 @@ import grpc
 import pytest
 
 from engine.types import FinishReason, SamplingParams
-from node_common.registry import NodeCapacity, NodeLoad, Role
 from proxy.clients import Decoded, NodeError, Prefilled
+from proxy.directory import NodeView
 from proxy.pd import PDPipeline, TokenChunk
 from proxy.prefix_index import PrefixIndex
-from proxy.registry import NodeState
 from proxy.router import Router, RouterConfig
+from wire import NodeCapacity, NodeLoad, Role
 
 PROMPT = list(range(10, 210))  # long enough to be disaggregated
 PARAMS = SamplingParams(max_tokens=3)
@@ -79,15 +79,15 @@ class FakeDirectory:
     async def start(self) -> None:
         return None
 
-    def nodes(self, role: Role) -> list[NodeState]:
+    def nodes(self, role: Role) -> list[NodeView]:
         names = self.prefill if role is Role.PREFILL else self.decode
-        return [NodeState(name, role, name, "L", NodeCapacity(100, 8, 256, 4), NodeLoad(100, 0, 0, 0))
+        return [NodeView(name, role, name, "L", NodeCapacity(100, 8, 256, 4), NodeLoad(100, 0, 0, 0))
                 for name in names]
 
-    def prefill_client(self, node: NodeState) -> FakePrefill:
+    def prefill_client(self, node: NodeView) -> FakePrefill:
         return self.prefill[node.address]
 
-    def decode_client(self, node: NodeState) -> FakeDecode:
+    def decode_client(self, node: NodeView) -> FakeDecode:
         return self.decode[node.address]
 
 

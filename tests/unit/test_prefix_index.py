@@ -13,8 +13,9 @@ from engine.cache.kv_cache_manager import KVCacheManager
 from engine.hashing import block_hashes
 from engine.request import Request
 from engine.types import SamplingParams
-from node_common.registry import KVDelta, NodeCapacity, NodeLoad, NodeRecord, Role, coalesce, hash_fingerprint
+from node_common.registrar import coalesce
 from proxy.prefix_index import PrefixIndex
+from wire import KVDelta, NodeCapacity, NodeLoad, NodeRecord, Role, hash_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 H = [bytes([i]) * 16 for i in range(8)]  # stand-ins for chained hashes
@@ -113,8 +114,7 @@ def test_records_and_deltas_survive_the_round_trip() -> None:
                         NodeCapacity(64, 8, 2048, 4), NodeLoad(60, 1, 2, 30), draining=True, updated_at=1.5)
     assert NodeRecord.from_json(record.to_json()) == record
     delta = KVDelta("d-1", 3, (H[0].hex(),), (H[1].hex(), H[2].hex()))
-    fields = {str(k): str(v) for k, v in delta.to_fields().items()}
-    assert KVDelta.from_fields(fields) == delta
+    assert KVDelta.from_fields(delta.to_fields()) == delta
     assert KVDelta.from_fields({"node": "d-1", "seq": "0", "stored": "", "removed": ""}) == KVDelta("d-1", 0)
     assert hash_fingerprint("s") != hash_fingerprint("t")
 
@@ -126,6 +126,7 @@ def test_a_malformed_record_is_a_value_error(text: str) -> None:
 
 
 def test_the_proxys_routing_modules_import_no_torch() -> None:
-    code = ("import sys, proxy.prefix_index, proxy.router, proxy.registry, proxy.pd, node_common.registry; "
+    code = ("import sys, proxy.prefix_index, proxy.router, proxy.directory, proxy.pd, proxy.metrics, protos.convert, "
+            "node_common.registrar, node_common.load; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from engine.hashing import block_hashes
-from node_common.registry import NodeCapacity, NodeLoad, Role
+from proxy.directory import NodeView
 from proxy.errors import NoHealthyNodes, Overloaded
 from proxy.prefix_index import PrefixIndex
-from proxy.registry import NodeState
 from proxy.router import Mode, Router, RouterConfig, RoutingPolicy
+from wire import NodeCapacity, NodeLoad, Role
 
 BLOCK = 4
 SEED = "s"
@@ -22,16 +22,16 @@ SEED = "s"
 class Table:
     """A NodeSource: a list of nodes and an index."""
 
-    all: list[NodeState] = field(default_factory=list)
+    all: list[NodeView] = field(default_factory=list)
     index: PrefixIndex = field(default_factory=PrefixIndex)
 
-    def nodes(self, role: Role) -> list[NodeState]:
+    def nodes(self, role: Role) -> list[NodeView]:
         return [n for n in self.all if n.role is role and not n.draining]
 
 
 def node(name: str, role: Role, running: int = 0, waiting: int = 0, free: int = 100, queued: int = 0,
-         layout: str = "L") -> NodeState:
-    return NodeState(f"{name}:1", role, name, layout, NodeCapacity(100, 8, 256, BLOCK),
+         layout: str = "L") -> NodeView:
+    return NodeView(f"{name}:1", role, name, layout, NodeCapacity(100, 8, 256, BLOCK),
                      NodeLoad(free, running, waiting, queued), prefix_aware=True, registered=True)
 
 

@@ -1,11 +1,12 @@
-"""The proxy's live table of nodes, and the prefix index their KV events feed.
+"""The proxy's directory: its live table of nodes (read from the registry or polled), and the prefix index
+their KV events feed. It only reads the registry; nodes write it (node_common/registrar.py).
 
 Two sources, combinable:
 - static addresses (`--prefill/--decode HOST:PORT`, single-machine use): polled every `static_poll_s` with
   Health + Stats. A node is healthy after a good poll and unhealthy after `STATIC_FAILURES_TO_LEAVE` failed
   ones in a row; when every listed node of a role is unhealthy they are all offered anyway (the operator
   named them: trying one that just restarted beats refusing the request).
-- the registry (`--registry redis://...`): every `poll_s` the node keys written by node_common/registry.py
+- the registry (`--registry redis://...`): every `poll_s` the node keys (wire.registry) written by node registrars
   are scanned. A key that is gone (its TTL ran out, or the node deregistered) is a node gone, from routing
   and from the prefix index. A node both listed and registered is one node, described by its registration.
 
@@ -28,7 +29,9 @@ import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from node_common.registry import (
+from proxy.clients import DecodeClient, NodeClient, PrefillClient
+from proxy.prefix_index import PrefixIndex
+from wire import (
     KV_EVENTS_STREAM,
     NODE_KEY_PATTERN,
     KVDelta,
@@ -39,8 +42,6 @@ from node_common.registry import (
     hash_fingerprint,
     kv_set_key,
 )
-from proxy.clients import DecodeClient, NodeClient, PrefillClient
-from proxy.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ _UNKNOWN_LOAD = NodeLoad(free_kv_blocks=0, num_running=0, num_waiting=0, num_que
 
 
 @dataclass(frozen=True)
-class NodeState:
-    """What routing knows about one node. Capacity numbers of 0 mean unknown (a static node not yet polled)."""
+class NodeView:
+    """Routing's view of one node. Capacity numbers of 0 mean unknown (a static node not yet polled)."""
 
     address: str
     role: Role
@@ -77,12 +78,12 @@ class NodeDirectory:
         self.fingerprint = hash_fingerprint(hash_seed)
         self.poll_s = poll_s
         self.static_poll_s = static_poll_s
-        self._static: dict[str, NodeState] = {
-            address: NodeState(address, role, node_id=address, healthy=False)
+        self._static: dict[str, NodeView] = {
+            address: NodeView(address, role, node_id=address, healthy=False)
             for role, addresses in ((Role.PREFILL, static_prefill), (Role.DECODE, static_decode))
             for address in addresses}
         self._static_failures: dict[str, int] = {}
-        self._registered: dict[str, NodeState] = {}  # by node id
+        self._registered: dict[str, NodeView] = {}  # by node id
         self._incarnations: dict[str, int] = {}
         self._kv_seq: dict[str, int | None] = {}  # last delta applied per node; None: unknown since a reload
         self._kv_lock = asyncio.Lock()
@@ -96,7 +97,7 @@ class NodeDirectory:
         self._closing = False  # the loops check it too: redis-py can swallow a cancellation in a blocking read
 
     # ---- what routing reads ----
-    def nodes(self, role: Role) -> list[NodeState]:
+    def nodes(self, role: Role) -> list[NodeView]:
         """The nodes of a role that may take new requests, by address."""
         self._start_soon()
         registered = {n.address: n for n in self._registered.values() if n.role is role}
@@ -105,26 +106,26 @@ class NodeDirectory:
         candidates = [*registered.values(), *(healthy if healthy or registered else static)]
         return sorted((n for n in candidates if not n.draining), key=lambda n: n.address)
 
-    def all_nodes(self) -> list[NodeState]:
+    def all_nodes(self) -> list[NodeView]:
         """Every node known, healthy or not, draining or not."""
         self._start_soon()
         registered = {n.address: n for n in self._registered.values()}
         return sorted([*registered.values(), *(n for a, n in self._static.items() if a not in registered)],
                       key=lambda n: n.address)
 
-    def client(self, node: NodeState) -> NodeClient:
+    def client(self, node: NodeView) -> NodeClient:
         client = self._clients.get(node.address)
         if client is None:
             client = PrefillClient(node.address) if node.role is Role.PREFILL else DecodeClient(node.address)
             self._clients[node.address] = client
         return client
 
-    def prefill_client(self, node: NodeState) -> PrefillClient:
+    def prefill_client(self, node: NodeView) -> PrefillClient:
         client = self.client(node)
         assert isinstance(client, PrefillClient), f"{node.address} is not a prefill node"
         return client
 
-    def decode_client(self, node: NodeState) -> DecodeClient:
+    def decode_client(self, node: NodeView) -> DecodeClient:
         client = self.client(node)
         assert isinstance(client, DecodeClient), f"{node.address} is not a decode node"
         return client
@@ -213,7 +214,7 @@ class NodeDirectory:
             for node_id in joined:
                 await self._reload_kv(node_id)
 
-    def _state_of(self, record: NodeRecord) -> NodeState:
+    def _state_of(self, record: NodeRecord) -> NodeView:
         prefix_aware = (record.capacity.block_size == self.block_size
                         and record.hash_fingerprint == self.fingerprint)
         if not prefix_aware:
@@ -221,7 +222,7 @@ class NodeDirectory:
                             f"node {record.node_id} hashes prefixes with block size {record.capacity.block_size} "
                             f"and another seed or size than this proxy (--block-size {self.block_size}, "
                             f"--hash-seed): routing it by load only")
-        return NodeState(record.address, record.role, record.node_id, record.layout_hash, record.capacity,
+        return NodeView(record.address, record.role, record.node_id, record.layout_hash, record.capacity,
                          record.load, record.draining, prefix_aware, registered=True)
 
     # ---- KV events ----
@@ -295,7 +296,7 @@ class NodeDirectory:
     async def poll_static(self) -> None:
         await asyncio.gather(*(self._poll_static_node(node) for node in list(self._static.values())))
 
-    async def _poll_static_node(self, node: NodeState) -> None:
+    async def _poll_static_node(self, node: NodeView) -> None:
         try:
             status = await self.client(node).status(timeout=2.0)
             if not status.ready:
@@ -311,7 +312,7 @@ class NodeDirectory:
         self._static_failures[node.address] = 0
         if not node.healthy:
             logger.info("%s node %s (%s) is healthy", node.role.value, node.address, status.node_id)
-        self._static[node.address] = NodeState(node.address, node.role, status.node_id, status.layout_hash,
+        self._static[node.address] = NodeView(node.address, node.role, status.node_id, status.layout_hash,
                                                status.capacity, status.load)
 
     def _warn_once(self, key: str, message: str) -> None:

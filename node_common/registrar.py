@@ -1,15 +1,10 @@
-"""A node's entry in the cluster registry (Redis): who it is, how loaded it is, which prefixes it holds.
+"""A node's registrar: keeps its entry in the cluster registry (Redis) while it serves: who it is, how loaded it
+is, which prefixes it holds. The keys and records are wire.registry's; the proxy reads them (proxy/directory.py).
 
-The keys are the wire format the proxy reads (proxy/registry.py); change both sides together.
-- `tandem:node:<node_id>`: the node's `NodeRecord` as JSON, written with a TTL and rewritten by every
-  heartbeat. A node that stops heart-beating (killed, stopped, partitioned) leaves when the TTL runs out.
-  Heartbeats write with `SET ... XX`: a refused write tells a node that came back that it had expired, and
-  it registers again from scratch.
-- `tandem:kv:<node_id>`: a SET of the hex chained block hashes the node's prefix cache can find now (same
-  TTL): the snapshot a reader loads when it first sees the node or has missed entries.
-- `tandem:kv-events`: one STREAM for the cluster; an entry is one node's delta {node, seq, stored, removed}.
-  `seq` counts the node's entries since it last rewrote its set; seq 0 says "my set was rewritten: reload
-  it", and a reader that sees seq skip a number reloads the set too.
+- Heartbeats rewrite the node's record with a TTL. They write with `SET ... XX`: a refused write tells a node
+  that came back that it had expired, and it registers again from scratch.
+- KV events: the engine's block pool events are drained, coalesced into a `KVDelta`, and published as the
+  set update plus one stream entry.
 
 Why a stream plus a set rather than pub/sub: pub/sub drops whatever a reader misses (a proxy that starts
 late or reconnects, a slow one) and has no position to resume from. A stream is read from a position by
@@ -18,8 +13,6 @@ any number of proxies, each at its own pace, and is trimmed to a bounded length;
 stream entry are one MULTI, and an entry only sets hashes present or absent, so a reader's snapshot plus
 every entry after some point before it gives the node's exact state (replaying entries the snapshot
 already reflects changes nothing).
-
-Torch-free: the engine is only a type here, so the proxy imports the record types and key names.
 """
 
 from __future__ import annotations
@@ -27,14 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import enum
-import json
 import logging
 import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
@@ -42,7 +33,19 @@ from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
 from engine.cache.block_pool import KVEvent, KVEventKind
-from engine.hashing import root_hash
+from node_common.load import engine_capacity, engine_load
+from wire import (
+    KV_EVENTS_STREAM,
+    STREAM_MAX_LEN,
+    KVDelta,
+    NodeCapacity,
+    NodeIdentity,
+    NodeLoad,
+    NodeRecord,
+    hash_fingerprint,
+    kv_set_key,
+    node_key,
+)
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -50,133 +53,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "tandem"
-NODE_KEY_PATTERN = f"{KEY_PREFIX}:node:*"
-KV_EVENTS_STREAM = f"{KEY_PREFIX}:kv-events"
-RECORD_VERSION = 1
-# About this many entries stay in the stream; a reader further behind reloads the sets it missed.
-STREAM_MAX_LEN = 100_000
-
-
-def node_key(node_id: str) -> str:
-    return f"{KEY_PREFIX}:node:{node_id}"
-
-
-def kv_set_key(node_id: str) -> str:
-    return f"{KEY_PREFIX}:kv:{node_id}"
-
-
-def hash_fingerprint(hash_seed: str) -> str:
-    """Tells whether two processes hash prefixes alike without publishing the seed itself."""
-    return root_hash(hash_seed).hex()[:16]
-
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass(frozen=True)
-class NodeCapacity:
-    total_kv_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-
-
-@dataclass(frozen=True)
-class NodeLoad:
-    free_kv_blocks: int  # blocks on the free list (including evictable cached prefixes)
-    num_running: int
-    num_waiting: int
-    num_queued_prefill_tokens: int  # prompt tokens admitted but not computed yet
-
-
-@dataclass(frozen=True)
-class NodeRecord:
-    """What a node publishes about itself, refreshed every heartbeat."""
-
-    node_id: str
-    role: Role
-    address: str  # host:port of its gRPC service
-    model: str
-    layout_hash: str  # KV layout identity: a prefill and a decode node pair only when theirs are equal
-    kv_backend: str
-    incarnation: int  # changes when the node restarts
-    hash_fingerprint: str  # hash_fingerprint(hash seed): prefix hashes are comparable only between equal ones
-    capacity: NodeCapacity
-    load: NodeLoad
-    draining: bool = False  # finishing its requests before it stops: takes no new ones
-    updated_at: float = 0.0  # unix time of the write, for operators
-
-    def to_json(self) -> str:
-        body = asdict(self)
-        body["role"] = self.role.value
-        return json.dumps({"version": RECORD_VERSION, **body}, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> NodeRecord:
-        """Raises ValueError for anything that is not a record of our version."""
-        try:
-            body = json.loads(text)
-            if body.pop("version") != RECORD_VERSION:
-                raise ValueError(f"registry record version {body.get('version')!r}, expected {RECORD_VERSION}")
-            body["role"] = Role(body["role"])
-            body["capacity"] = NodeCapacity(**body["capacity"])
-            body["load"] = NodeLoad(**body["load"])
-            return cls(**body)
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
-            raise ValueError(f"malformed registry record: {e!r}") from e
-
-
-@dataclass(frozen=True)
-class KVDelta:
-    """One stream entry: the hashes a node's cache gained and lost since its previous entry (disjoint)."""
-
-    node_id: str
-    seq: int
-    stored: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-
-    def to_fields(self) -> dict[FieldT, EncodableT]:
-        return {"node": self.node_id, "seq": str(self.seq), "stored": " ".join(self.stored),
-                "removed": " ".join(self.removed)}
-
-    @classmethod
-    def from_fields(cls, fields: dict[str, str]) -> KVDelta:
-        """Raises ValueError for a malformed entry."""
-        try:
-            return cls(fields["node"], int(fields["seq"]), tuple(fields.get("stored", "").split()),
-                       tuple(fields.get("removed", "").split()))
-        except (KeyError, ValueError) as e:
-            raise ValueError(f"malformed KV event entry {fields!r}") from e
-
 
 def coalesce(events: Iterable[KVEvent]) -> tuple[list[str], list[str]]:
-    """The net effect of events in order, as (stored, removed) hex hashes: each hash ends as its last event."""
+    """The engine's block pool events as a KVDelta's (stored, removed) hex hashes: their net effect in order,
+    each hash ending as its last event says."""
     last: dict[bytes, bool] = {}
     for event in events:
         last[event.block_hash] = event.kind is KVEventKind.STORED
     return [h.hex() for h, stored in last.items() if stored], [h.hex() for h, stored in last.items() if not stored]
-
-
-# ---- what the engine reports (these run on the engine thread, through AsyncEngine.call) ----
-def engine_capacity(engine: LLMEngine) -> NodeCapacity:
-    return NodeCapacity(total_kv_blocks=engine.kv.num_blocks, max_num_seqs=engine.config.max_num_seqs,
-                        max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                        block_size=engine.config.block_size)
-
-
-def engine_load(engine: LLMEngine) -> NodeLoad:
-    scheduler = engine.scheduler
-    queued = 0
-    for request in (*scheduler.waiting, *scheduler.running):
-        pending = request.num_tokens - request.num_computed_tokens
-        # one pending token is a decode step; more (or none computed: new or preempted) is prefill work
-        if pending > 1 or request.num_computed_tokens == 0:
-            queued += pending
-    return NodeLoad(free_kv_blocks=engine.kv.num_free_blocks, num_running=len(scheduler.running),
-                    num_waiting=len(scheduler.waiting), num_queued_prefill_tokens=queued)
 
 
 # ---- the node side ----
@@ -188,18 +72,6 @@ def add_registry_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-seconds", type=float, default=1.0)
     parser.add_argument("--registry-ttl-seconds", type=float, default=3.0,
                         help="a node whose heartbeats stop leaves the registry after this long")
-
-
-@dataclass(frozen=True)
-class NodeIdentity:
-    node_id: str
-    role: Role
-    address: str
-    model: str
-    layout_hash: str
-    kv_backend: str
-    hash_seed: str
-    incarnation: int = 0  # 0: drawn at random
 
 
 class NodeRegistrar:
@@ -319,7 +191,7 @@ class NodeRegistrar:
             for chunk in _chunks(hashes, 10_000):
                 pipe.sadd(self._kv_key, *chunk)
             pipe.pexpire(self._kv_key, self.ttl_ms)
-            pipe.xadd(KV_EVENTS_STREAM, KVDelta(self.identity.node_id, 0).to_fields(),
+            pipe.xadd(KV_EVENTS_STREAM, _stream_entry(KVDelta(self.identity.node_id, 0)),
                       maxlen=STREAM_MAX_LEN, approximate=True)
             pipe.set(self._node_key, self._record().to_json(), px=self.ttl_ms)
             await pipe.execute()
@@ -340,7 +212,7 @@ class NodeRegistrar:
                 pipe.srem(self._kv_key, *chunk)
             pipe.pexpire(self._kv_key, self.ttl_ms)
             delta = KVDelta(self.identity.node_id, self._seq, tuple(stored), tuple(removed))
-            pipe.xadd(KV_EVENTS_STREAM, delta.to_fields(), maxlen=STREAM_MAX_LEN,
+            pipe.xadd(KV_EVENTS_STREAM, _stream_entry(delta), maxlen=STREAM_MAX_LEN,
                       approximate=True)
             await pipe.execute()
 
@@ -377,6 +249,10 @@ class NodeRegistrar:
         if now - self._last_error_log > 10.0:  # one line per outage-ish, not one per tick
             logger.warning("%s: %r", what, error)
             self._last_error_log = now
+
+
+def _stream_entry(delta: KVDelta) -> dict[FieldT, EncodableT]:
+    return {key: value for key, value in delta.to_fields().items()}  # redis-py's field types
 
 
 def _chunks(items: Sequence[str], size: int) -> Iterable[Sequence[str]]:
