@@ -26,6 +26,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
+    @torch.inference_mode()  # as the steps run: no autograd state recorded into the static buffers or the pool
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, max_batch: int, max_blocks_per_seq: int,
                  sliding_window: int | None, padding_slot: int) -> None:
