@@ -13,10 +13,9 @@ import socket
 
 from engine.config import ATTENTION_BACKENDS, EngineConfig
 from node_common.registrar import add_registry_args
-from settings import TREE_KEYS, ClusterSettings, ConfigError, add_arguments, resolve
+from settings import ClusterSettings, add_arguments, parse_args_with
 from settings import env as environment
 from settings.cluster import ENGINE_DEFAULTS
-from settings.spec import flatten
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
@@ -39,12 +38,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
 
 def parse_node_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """Parses and resolves the cluster settings: `args.cluster` holds them, and each is also `args.<name>`."""
-    args = parser.parse_args(argv)
-    try:
-        args.cluster = resolve(ClusterSettings, vars(args), environment.settings_layer(), TREE_KEYS)
-    except ConfigError as e:
-        parser.error(str(e))
-    vars(args).update(flatten(args.cluster))
+    args, cluster = parse_args_with(parser, ClusterSettings, argv)
+    args.cluster = cluster
     return args
 
 

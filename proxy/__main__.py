@@ -12,9 +12,8 @@ import uvicorn
 from engine.tokenizer import load_tokenizer
 from proxy.app import ProxyState, create_app, read_max_model_len
 from proxy.pd import add_routing_args, pipeline_from_args
-from settings import TREE_KEYS, ConfigError, HashingSettings, add_arguments, resolve
+from settings import HashingSettings, add_arguments, parse_args_with
 from settings import env as environment
-from settings.spec import flatten
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -34,12 +33,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--max-num-requests", type=int, default=None,
                         help="choices in flight at this proxy before it answers 429 (default: no limit)")
     parser.add_argument("--log-level", default="info")
-    args = parser.parse_args(argv)
-    try:
-        args.hashing = resolve(HashingSettings, vars(args), environment.settings_layer(), TREE_KEYS)
-    except ConfigError as e:
-        parser.error(str(e))
-    vars(args).update(flatten(args.hashing))
+    args, hashing = parse_args_with(parser, HashingSettings, argv)
+    args.hashing = hashing
     return parser, args
 
 

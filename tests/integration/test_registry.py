@@ -42,6 +42,10 @@ class Node:
         return f"node-{self.address.rsplit(':', 1)[1]}"
 
 
+def directory_of(redis_server: RedisServer) -> NodeDirectory:
+    return NodeDirectory(registry_url=redis_server.url, block_size=BLOCK_SIZE, hash_seed="tandem", poll_s=0.1)
+
+
 @dataclass
 class RegistryCluster:
     model: Path
@@ -53,7 +57,7 @@ class RegistryCluster:
 
     def directory(self) -> NodeDirectory:
         """A proxy's view of the cluster, in this process (start it inside the loop that uses it)."""
-        return NodeDirectory(registry_url=self.redis.url, block_size=BLOCK_SIZE, hash_seed="tandem", poll_s=0.1)
+        return directory_of(self.redis)
 
 
 def start_registered_node(role: str, model: Path, registry: str, log_dir: Path) -> Node:
@@ -88,7 +92,7 @@ def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFacto
         server.stop()
 
 
-def run(body: Callable[[NodeDirectory], Awaitable[T]], cluster: RegistryCluster) -> T:
+def run(body: Callable[[NodeDirectory], Awaitable[T]], cluster: RegistryCluster | LoneNode) -> T:
     """Runs body(directory) with a started in-process directory watching the cluster's registry."""
     async def main() -> T:
         directory = cluster.directory()
@@ -235,7 +239,7 @@ class LoneNode:
     node: Node
 
     def directory(self) -> NodeDirectory:
-        return NodeDirectory(registry_url=self.redis.url, block_size=BLOCK_SIZE, hash_seed="tandem", poll_s=0.1)
+        return directory_of(self.redis)
 
 
 @pytest.fixture
@@ -252,18 +256,6 @@ def lone_node(tiny_model: TinyModelFactory, tmp_path: Path) -> Iterator[LoneNode
                 os.killpg(node.process.popen.pid, signal.SIGCONT)
             node.process.stop()
         server.stop()
-
-
-def run_lone(body: Callable[[NodeDirectory], Awaitable[T]], lone: LoneNode) -> T:
-    async def main() -> T:
-        directory = lone.directory()
-        await directory.start()
-        try:
-            return await body(directory)
-        finally:
-            await directory.close()
-
-    return asyncio.run(main())
 
 
 def test_a_node_that_stops_heart_beating_leaves_routing_and_comes_back(lone_node: LoneNode) -> None:
@@ -283,7 +275,7 @@ def test_a_node_that_stops_heart_beating_leaves_routing_and_comes_back(lone_node
             os.kill(node.process.popen.pid, signal.SIGCONT)
         await eventually(present, 5.0, "the resumed node back in routing")
 
-    run_lone(body, lone_node)
+    run(body, lone_node)
 
 
 def test_a_node_stopped_cleanly_drains_then_deregisters(lone_node: LoneNode) -> None:
@@ -299,7 +291,7 @@ def test_a_node_stopped_cleanly_drains_then_deregisters(lone_node: LoneNode) -> 
         record = NodeRecord.from_json(str(client.get(node_key(node.node_id))))
         assert record.draining  # still registered while it finishes its work, but chosen by no one
 
-    run_lone(body, lone_node)
+    run(body, lone_node)
     node.process.popen.wait(30)
     # gone at once, not after the TTL: the node deleted its keys on the way out
     assert client.exists(node_key(node.node_id)) == 0
