@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import pytest
@@ -17,10 +16,16 @@ from proxy.directory import NodeView
 from proxy.pd import PDPipeline, TokenChunk
 from proxy.prefix_index import PrefixIndex
 from proxy.router import Router, RouterConfig
-from wire import NodeCapacity, NodeLoad, Role
+from wire import KVTicket, NodeCapacity, NodeLoad, Role
 
 PROMPT = list(range(10, 210))  # long enough to be disaggregated
 PARAMS = SamplingParams(max_tokens=3)
+
+
+def ticket(ticket_id: str) -> KVTicket:
+    return KVTicket(ticket_id=ticket_id, prefill_node_id="p", prefill_address="p:1", incarnation=1,
+                    transfer_endpoint=b"endpoint", block_ids=(0,), num_tokens=len(PROMPT),
+                    layout_hash="L", lease_deadline=0.0, block_checksums=("c",))
 
 
 def retryable(node: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> NodeError:
@@ -32,17 +37,17 @@ class FakePrefill:
     name: str
     failures: list[NodeError] = field(default_factory=list)  # raised by the next prefills, in order
     calls: list[str] = field(default_factory=list)
-    released: list[Any] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # ticket ids
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float
                       ) -> Prefilled:
         self.calls.append(request_id)
         if self.failures:
             raise self.failures.pop(0)
-        return Prefilled(7, None, None, 4, f"ticket-{self.name}-{len(self.calls)}")  # type: ignore[arg-type]
+        return Prefilled(7, None, None, 4, ticket(f"ticket-{self.name}-{len(self.calls)}"))
 
-    async def release(self, ticket: Any) -> None:
-        self.released.append(ticket)
+    async def release(self, ticket: KVTicket) -> None:
+        self.released.append(ticket.ticket_id)
 
 
 @dataclass
@@ -50,12 +55,12 @@ class FakeDecode:
     name: str
     script: list[NodeError | None] = field(default_factory=list)  # per call: fail before streaming, or stream
     fail_after_first: bool = False
-    tickets: list[Any] = field(default_factory=list)
+    tickets: list[str | None] = field(default_factory=list)  # ticket ids; None for colocated requests
     aborted: list[str] = field(default_factory=list)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, prefilled: Prefilled | None,
                        deadline: float) -> AsyncIterator[Decoded]:
-        self.tickets.append(prefilled.ticket if prefilled is not None else None)
+        self.tickets.append(prefilled.ticket.ticket_id if prefilled is not None and prefilled.ticket else None)
         failure = self.script.pop(0) if self.script else None
         if failure is not None:
             raise failure
