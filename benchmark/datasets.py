@@ -62,7 +62,12 @@ class PromptSynthesizer:
         self.tokenizer = tokenizer
         self.rng = rng
         special_ids = set(tokenizer.get_added_tokens_decoder())
-        self.ordinary_ids = [i for i in range(tokenizer.get_vocab_size()) if i not in special_ids]
+        candidates = [i for i in range(tokenizer.get_vocab_size()) if i not in special_ids]
+        # only tokens that survive a round trip alone: a lone byte of a multi-byte character decodes to U+FFFD,
+        # which encodes to other tokens, and a prompt made of such bytes never settles on a length
+        texts = tokenizer.decode_batch([[i] for i in candidates], skip_special_tokens=False)
+        encoded = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        self.ordinary_ids = [i for i, e in zip(candidates, encoded, strict=True) if e.ids == [i]]
         if not self.ordinary_ids:
             raise ValueError("the tokenizer has no ordinary tokens to build prompts from")
 
@@ -77,8 +82,9 @@ class PromptSynthesizer:
         """
         if num_tokens <= 0:
             return ""
-        token_ids = self._random_ids(num_tokens)
-        for _ in range(32):
+        for attempt in range(64):
+            if attempt % 8 == 0:  # a fresh start now and then, in case the fix-ups cycle
+                token_ids = self._random_ids(num_tokens)
             text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
             encoded = self.tokenizer.encode(text, add_special_tokens=False).ids
             if len(encoded) == num_tokens:
