@@ -36,8 +36,8 @@ def proxy_url(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFac
 
 def _bench(url: str, model: Path, result_dir: Path, *flags: str) -> list[dict[str, object]]:
     # no --model: the benchmark asks the server's /v1/models, as vLLM's does
-    code = main(["bench", "serve", "--base-url", url, "--tokenizer", str(model), "--seed", "1", "--disable-tqdm", "--save-result", "--result-dir",
-                 str(result_dir), "--result-filename", "run.json", *flags])
+    code = main(["bench", "serve", "--base-url", url, "--tokenizer", str(model), "--seed", "1", "--disable-tqdm",
+                 "--save-result", "--result-dir", str(result_dir), "--result-filename", "run.json", *flags])
     assert code == 0
     return [json.loads(p.read_text()) for p in sorted(result_dir.glob("run*.json"))]
 
