@@ -4,7 +4,8 @@ Timings (seconds, `time.perf_counter`): TTFT is from sending the request to the 
 each later chunk with text adds one inter-token latency (ITL: the gap since the previous one; a chunk may hold
 more than one token, as it does in vLLM's client); the end-to-end latency runs to the end of the stream. The
 output token count is the usage chunk's `completion_tokens` (asked for with `stream_options.include_usage`),
-or, if the server sends none, the number of chunks with text.
+or, if the server sends none, the number of chunks with text. A request succeeds when its stream ends with
+`data: [DONE]` after at least one token (if no token had any text, its TTFT is its whole latency).
 """
 
 from __future__ import annotations
@@ -135,8 +136,10 @@ async def send_request(client: httpx.AsyncClient, settings: RequestSettings, sam
     output.output_tokens = usage_tokens if usage_tokens is not None else num_text_chunks
     if not saw_done:
         output.error = "the stream ended without data: [DONE]"
-    elif num_text_chunks == 0:
-        output.error = "no text in the response"
+    elif output.output_tokens == 0:
+        output.error = "no tokens in the response"
     else:
+        if num_text_chunks == 0:  # tokens that decode to no text (a model with ids its tokenizer lacks)
+            output.ttft = output.latency
         output.success = True
     return output

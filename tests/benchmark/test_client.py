@@ -71,3 +71,11 @@ def test_request_bodies_ask_for_usage_and_carry_messages_for_chat() -> None:
     assert chat["stream_options"] == {"include_usage": True} and chat["stream"] is True
     completion = request_body(RequestSettings("http://x/v1/completions", "m"), SAMPLE)
     assert completion["prompt"] == "hi" and "ignore_eos" not in completion and "messages" not in completion
+
+
+def test_tokens_without_text_still_complete_and_no_tokens_at_all_fail() -> None:
+    body = _sse({"choices": [{"text": ""}]}, {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}})
+    out = _send(lambda request: httpx.Response(200, content=body))
+    assert out.success and out.output_tokens == 2 and out.ttft == out.latency
+    out = _send(lambda request: httpx.Response(200, content=_sse({"choices": [{"text": ""}]})))
+    assert not out.success and out.error == "no tokens in the response"
