@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -257,5 +258,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.bench_main(args))
     except BenchError as e:
-        print(f"tandem bench {args.bench_command}: {e}")
+        print(f"tandem bench {args.bench_command}: {e}", file=sys.stderr)
         return 2

@@ -53,6 +53,8 @@ def test_http_errors_broken_streams_and_error_events_are_failures_with_their_err
     assert not out.success and "[DONE]" in out.error
     out = _send(lambda request: httpx.Response(200, content=_sse({"error": {"message": "bad"}})))
     assert not out.success and "bad" in out.error
+    out = _send(lambda request: httpx.Response(200, content=b"data: [1, 2]\n\ndata: {oops\n\n"))
+    assert not out.success and out.error.startswith("AttributeError")
 
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused")
