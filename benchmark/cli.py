@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from benchmark.client import RequestSettings
-from benchmark.datasets import DATASET_NAMES, DatasetConfig, get_samples, load_tokenizer
+from benchmark.datasets import DATASET_NAMES, DatasetConfig, SampleRequest, get_samples, load_tokenizer
 from benchmark.metrics import METRIC_NAMES, calculate_metrics, parse_goodput
 from benchmark.results import (
     DETAILED_KEYS,
@@ -92,8 +92,12 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                       type=int, default=4)
     data.add_argument("--multi-turn-num-turns", dest="num_turns", type=int, default=4)
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--sweep-fresh-prompts", action="store_true",
+                      help="in a sweep, new prompts for each run (seed + run index) so no run hits the prefix cache "
+                           "of the one before (default, as vLLM: the same prompts every run)")
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", default="inf", help="requests/s, Poisson arrivals; a list sweeps: 1,2,inf")
+    load.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; <1 burstier, >1 more even")
     load.add_argument("--max-concurrency", default=None, help="requests in flight at most; a list sweeps: 1,4,16")
     load.add_argument("--num-warmups", type=int, default=0, help="uncounted requests before each run")
     load.add_argument("--ignore-eos", action="store_true", help="(always on for the synthetic datasets)")
@@ -141,12 +145,19 @@ def serve_main(args: argparse.Namespace) -> int:
     tokenizer_id = args.tokenizer or (model if Path(model).exists() else None)
     try:
         tokenizer = load_tokenizer(tokenizer_id) if tokenizer_id else None
-        samples = get_samples(DatasetConfig(
-            name=args.dataset_name, num_prompts=args.num_prompts, seed=args.seed, input_len=args.input_len,
-            output_len=args.output_len, range_ratio=args.random_range_ratio, prefix_len=args.prefix_len,
-            num_prefixes=args.num_prefixes, num_turns=args.num_turns, dataset_path=args.dataset_path), tokenizer)
     except ValueError as e:
         raise BenchError(str(e)) from None
+
+    def workload(seed: int) -> list[SampleRequest]:
+        try:
+            return get_samples(DatasetConfig(
+                name=args.dataset_name, num_prompts=args.num_prompts, seed=seed, input_len=args.input_len,
+                output_len=args.output_len, range_ratio=args.random_range_ratio, prefix_len=args.prefix_len,
+                num_prefixes=args.num_prefixes, num_turns=args.num_turns, dataset_path=args.dataset_path), tokenizer)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+
+    samples = workload(args.seed)
     extra = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
              if v is not None}
     settings = RequestSettings(api_url=base_url + endpoint, model=args.served_model_name or model,
@@ -156,11 +167,13 @@ def serve_main(args: argparse.Namespace) -> int:
     runs: list[tuple[str, dict[str, Any]]] = []
     for rate in rates:
         for concurrency in concurrencies:
+            if args.sweep_fresh_prompts and runs:
+                samples = workload(args.seed + len(runs))
             print(f"--- request rate {rate:g}/s, max concurrency {concurrency}, {len(samples)} requests "
                   f"({args.dataset_name}) -> {settings.api_url}", flush=True)
-            load = LoadSettings(request_rate=rate, max_concurrency=concurrency, num_warmups=args.num_warmups,
-                                seed=args.seed, request_timeout_s=args.request_timeout,
-                                disable_tqdm=args.disable_tqdm)
+            load = LoadSettings(request_rate=rate, burstiness=args.burstiness, max_concurrency=concurrency,
+                                num_warmups=args.num_warmups, seed=args.seed,
+                                request_timeout_s=args.request_timeout, disable_tqdm=args.disable_tqdm)
             try:
                 run = asyncio.run(run_requests(samples, settings, load))
             except ValueError as e:
@@ -168,7 +181,7 @@ def serve_main(args: argparse.Namespace) -> int:
             metrics = calculate_metrics(run.outputs, run.duration, percentiles, goodput)
             info = RunInfo(backend=args.backend, label=args.label, model_id=model, tokenizer_id=tokenizer_id,
                            num_prompts=len(samples), request_rate=rate, max_concurrency=concurrency,
-                           dataset_name=args.dataset_name, endpoint=endpoint)
+                           dataset_name=args.dataset_name, endpoint=endpoint, burstiness=args.burstiness)
             result = build_result(info, metrics, run.outputs, percentile_metrics, detailed=True)
             print(format_report(result, metrics, percentile_metrics), flush=True)
             name = _file_name(args, info, result["date"], sweep)

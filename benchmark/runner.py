@@ -1,8 +1,9 @@
 """A run: send a workload's requests on a schedule, at most `max_concurrency` at once, and time the whole.
 
-Arrivals: with a finite `request_rate` (requests/s) the gaps between sends are exponential (a Poisson process),
-drawn from the run's seed; with `inf` every request is sent at once. The concurrency limit holds requests back
-on the client (the gap between a request's arrival and its send is not part of its latency, as in vLLM).
+Arrivals: with a finite `request_rate` (requests/s) the gaps between sends are exponential (a Poisson process;
+gamma-distributed with vLLM's `burstiness` other than 1), drawn from the run's seed; with `inf` every request is
+sent at once. The concurrency limit holds requests back on the client (the gap between a request's arrival and
+its send is not part of its latency, as in vLLM).
 Warm-up requests (the workload's first prompt, repeated) run before the clock starts and are not counted.
 """
 
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LoadSettings:
     request_rate: float = math.inf
+    burstiness: float = 1.0  # 1: Poisson; < 1 burstier, > 1 more even (gamma-distributed gaps, as vLLM's)
     max_concurrency: int | None = None
     num_warmups: int = 0
     seed: int = 0
@@ -82,14 +84,17 @@ def progress_bar(total: int, disable: bool) -> _Progress:
     return tqdm(total=total, unit="req")  # type: ignore[no-any-return]
 
 
-def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
+def arrival_offsets(num_requests: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
     """Seconds from the run's start at which each request arrives: all 0 for an infinite rate, else the
-    cumulative sums of exponential gaps of mean 1 / rate (the first request waits one gap too, as in vLLM)."""
+    cumulative sums of gamma gaps of mean 1 / rate and shape `burstiness` (1: exponential gaps, a Poisson
+    process); the first request waits one gap too, as in vLLM."""
     if request_rate <= 0:
         raise ValueError("--request-rate must be positive (or inf)")
+    if burstiness <= 0:
+        raise ValueError("--burstiness must be positive")
     if math.isinf(request_rate):
         return [0.0] * num_requests
-    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=num_requests)
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), size=num_requests)
     return [float(t) for t in np.cumsum(gaps)]
 
 
@@ -126,7 +131,7 @@ async def run_requests(samples: Sequence[SampleRequest], settings: RequestSettin
             progress.update(1)
             return output
 
-        offsets = arrival_offsets(len(samples), load.request_rate, load.seed)
+        offsets = arrival_offsets(len(samples), load.request_rate, load.seed, load.burstiness)
         start = time.perf_counter()
         tasks = []
         for sample, offset in zip(samples, offsets, strict=True):

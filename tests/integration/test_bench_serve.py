@@ -47,7 +47,7 @@ def test_random_completions_sweep_completes_with_exact_token_counts(proxy_url: t
     url, model = proxy_url
     results = _bench(url, model, tmp_path, "--dataset-name", "random", "--random-input-len", "12",
                      "--random-output-len", "6", "--num-prompts", "6", "--max-concurrency", "2,4",
-                     "--request-rate", "inf", "--goodput", "ttft:60000")
+                     "--request-rate", "inf", "--goodput", "ttft:60000", "--sweep-fresh-prompts")
     assert len(results) == 2  # one file per concurrency of the sweep
     for result in results:
         assert (result["completed"], result["failed"]) == (6, 0), result["errors"]
