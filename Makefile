@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[dev,kv-cpu]'
 	touch $@
 
-PACKAGES := engine kvtransfer protos wire settings node_common prefill_node decode_node proxy cluster
+PACKAGES := engine kvtransfer protos wire settings node_common prefill_node decode_node proxy cluster benchmark
 
 lint: setup
 	$(VENV)/bin/ruff check $(PACKAGES) tests bench

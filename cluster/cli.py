@@ -3,6 +3,7 @@
     tandem serve [--model PATH] [--prefill-nodes N] [--decode-nodes M] ... [--config FILE]
     tandem status [--json]
     tandem scale [--prefill N] [--decode M]
+    tandem bench serve|compare|plot ...    (benchmark/cli.py)
 
 `status` and `scale` talk to the admin API of the cluster `tandem serve` runs on this machine (its address and
 token are in the state file, see cluster/state.py); --admin-url and --token (or TANDEM_ADMIN_URL and
@@ -20,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from benchmark.cli import BenchError, add_bench_commands
 from cluster.state import read_state, state_path
 from settings import TREE_KEYS, ConfigError, ServeConfig, add_arguments, resolve
 from settings import env as environment
@@ -45,14 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--admin-url", default=environment.admin_url(),
                          help="admin API of a remote cluster (default: the local one's, from its state file)")
         sub.add_argument("--token", default=environment.admin_token(), help="its admin token")
+    add_bench_commands(commands.add_parser("bench", help="serving benchmark over the OpenAI API (vLLM's metrics)"))
     args = parser.parse_args(argv)
     try:
+        if args.command == "bench":
+            return int(args.bench_main(args))
         if args.command == "serve":
             return _serve(args)
         if args.command == "status":
             return _status(args)
         return _scale(args)
-    except (CLIError, ConfigError) as e:
+    except (CLIError, ConfigError, BenchError) as e:
         print(f"tandem {args.command}: {e}", file=sys.stderr)
         return 2
 

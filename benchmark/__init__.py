@@ -1,0 +1,11 @@
+"""`tandem bench serve`: a serving benchmark over the OpenAI API with vLLM's metric and result-file names.
+
+Torch-free on purpose (httpx, numpy, tokenizers), so it runs from a laptop against any OpenAI-compatible server.
+
+- `datasets`: the workloads (random, shared-prefix, multi-turn, long-prompt, a JSONL file) as `SampleRequest`s.
+- `sse`, `client`: one streamed request, timed (TTFT, inter-token latencies, end-to-end latency).
+- `runner`: arrivals (Poisson or all at once), the concurrency limit, warm-up, the progress bar.
+- `metrics`: completed/failed, throughputs, TTFT/TPOT/ITL/E2EL statistics, goodput.
+- `results`: the result file (vLLM's keys), the printed report, `compare`; `plots`: PNGs (matplotlib, optional).
+- `cli`: `tandem bench serve | compare | plot`.
+"""
