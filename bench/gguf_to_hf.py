@@ -38,6 +38,9 @@ def main() -> None:
     model.config.dtype = dtype
     # a GGUF-loaded config may lack it; readers of the directory (ours, vLLM) pick the model class by it
     model.config.architectures = model.config.architectures or [type(model).__name__]
+    # the weights are written dequantized: a reader must not look for the GGUF file
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.config.save_pretrained(args.out_dir)
     model.generation_config.save_pretrained(args.out_dir)
     tokenizer.save_pretrained(args.out_dir)
