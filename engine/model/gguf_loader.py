@@ -19,7 +19,7 @@ from engine.config import ModelConfig, ModelConfigError
 from engine.gguf_config import open_gguf
 
 # ggml types we dequantize; every other type is refused by name (see gguf_tensors)
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_TENSORS = {
