@@ -5,6 +5,8 @@ types), the weights come back unpermuted, config and tokenizer come from the met
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,11 @@ def test_gguf_detection_file_directory_and_hf_directory(tiny_model: TinyModelFac
     shutil.copy(gguf_file, gguf_file.parent / "second.gguf")
     with pytest.raises(ModelConfigError, match="holds 2 .gguf files"):
         ModelConfig.from_path(gguf_file.parent)
+
+
+def test_reading_a_gguf_config_imports_no_torch(tiny_model: TinyModelFactory, tmp_path: Path) -> None:
+    gguf_file = write_gguf(tiny_model("llama"), tmp_path / "tiny.gguf")
+    code = ("import sys; from engine.config import ModelConfig; "
+            f"assert ModelConfig.from_path({str(gguf_file)!r}).num_layers == 2; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True)
