@@ -1,4 +1,5 @@
-"""Engine configuration: what the user chose (EngineConfig) and what the model directory says (ModelConfig)."""
+"""Engine configuration: what the user chose (EngineConfig) and what the model says (ModelConfig): a Hugging Face
+directory's config.json, or a GGUF file's metadata (engine/gguf_config.py)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,13 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
+        """A Hugging Face model directory, a .gguf file, or a directory holding one .gguf (and no config.json)."""
+        from engine.gguf_config import find_gguf_file, gguf_model_config  # torch-free; gguf only when needed
+
         path = Path(path)
+        gguf_file = find_gguf_file(path)
+        if gguf_file is not None:
+            return gguf_model_config(gguf_file)
         config_file = path / "config.json"
         if not path.is_dir():
             raise ModelConfigError(f"model path {str(path)!r} is not a directory")

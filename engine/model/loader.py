@@ -1,4 +1,6 @@
-"""Builds a model from a Hugging Face directory: architecture lookup, safetensors (single or sharded) or dummy."""
+"""Builds a model: architecture lookup, then weights from safetensors (single or sharded), a GGUF file
+(engine/model/gguf_loader.py) or dummy. Both checkpoint kinds arrive as (Hugging Face name, tensor) pairs, so one
+loop fills the model."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig, ModelConfigError
+from engine.model.gguf_loader import gguf_tensors, is_gguf_model
 from engine.model.llama import LlamaForCausalLM
 
 # Every supported architecture is a variant of one decoder; the differences live in ModelConfig.
@@ -91,7 +94,8 @@ def load_weights(model: nn.Module, cfg: ModelConfig) -> None:
             continue
         num_shards = len(_shard_sizes(name, cfg)) if _is_fused(name) else 0
         missing |= {(name, i) for i in range(num_shards)} if num_shards else {(name, None)}
-    for name, tensor in _checkpoint_tensors(cfg.path):
+    tensors = gguf_tensors(cfg) if is_gguf_model(cfg) else _checkpoint_tensors(cfg.path)
+    for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             continue
         target, shard = name, None

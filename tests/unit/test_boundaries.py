@@ -1,6 +1,6 @@
 """Package boundaries (DESIGN §1): the engine knows nothing of nodes, proxy or transports, the proxy's share of it
-(types, hashing, detokenizer, output processor) imports no torch, and `wire` (what goes over the wire) is
-standard library only."""
+(types, hashing, detokenizer, output processor, config, tokenizer, GGUF metadata) imports no torch, and `wire`
+(what goes over the wire) is standard library only."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def test_engine_imports_no_node_proxy_or_transport_package() -> None:
 
 
 def test_torch_free_modules_do_not_import_torch() -> None:
-    code = ("import sys, engine, engine.types, engine.hashing, engine.detokenizer, engine.output_processor; "
+    code = ("import sys, engine, engine.types, engine.hashing, engine.detokenizer, engine.output_processor, "
+            "engine.config, engine.tokenizer, engine.gguf_config; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
