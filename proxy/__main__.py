@@ -43,7 +43,8 @@ def main() -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = Path(args.model)
     pipeline = pipeline_from_args(parser, args)
-    state = ProxyState(pipeline, load_tokenizer(model), args.served_model_name or model.name, args.request_timeout,
+    default_name = model.stem if model.suffix == ".gguf" else model.name
+    state = ProxyState(pipeline, load_tokenizer(model), args.served_model_name or default_name, args.request_timeout,
                        max_model_len=read_max_model_len(model, args.max_model_len), api_key=args.api_key or None,
                        max_num_requests=args.max_num_requests)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.config import ModelConfig, ModelConfigError
 from proxy.metrics import poll_nodes
 from proxy.openai_api import APIError, Generation, bad_request, parse_chat, parse_completion
 from proxy.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
@@ -43,14 +44,13 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its response was ready."""
 
 
-def read_max_model_len(model_dir: Path, override: int | None = None) -> int | None:
-    """The context length from the model's config.json (max_position_embeddings), capped by `override`."""
+def read_max_model_len(model: Path, override: int | None = None) -> int | None:
+    """The model's context length (max_position_embeddings: config.json, or a GGUF's metadata), capped by
+    `override`; None when neither is known."""
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    config = config.get("text_config", config)
-    native = config.get("max_position_embeddings") if isinstance(config, dict) else None
+        native: int | None = ModelConfig.from_path(model).max_position_embeddings
+    except ModelConfigError:
+        native = None  # the nodes refuse such a model with the reason; the proxy only loses its early check
     lengths = [x for x in (native, override) if isinstance(x, int) and x > 0]
     return min(lengths) if lengths else None
 

@@ -54,8 +54,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) ->
 
 
 @pytest.fixture(scope="session")
-def smollm2_reference() -> Any:
-    """transformers' reading of the SmolLM2 GGUF (tests/fixtures/real_model.py), loaded once per session."""
-    from tests.fixtures.real_model import Reference
+def smollm2_oracle() -> Any:
+    """transformers' own reading of the SmolLM2 GGUF (float32), the real-model tests' oracle: loaded once."""
+    from engine.gguf_config import smollm2_gguf_path
+    from tests.fixtures.gguf_models import load_gguf_oracle
 
-    return Reference()
+    return load_gguf_oracle(smollm2_gguf_path())

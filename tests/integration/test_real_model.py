@@ -12,16 +12,21 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.real_model import CHAT_PROMPTS, SMOLLM2_NAME, smollm2_path
+from engine.detokenizer import decode_token
+from engine.gguf_config import smollm2_gguf_path
+from engine.tokenizer import load_tokenizer
+from tests.fixtures.gguf_models import greedy
 from tests.integration.processes import Process, start_node, start_proxy
 
 pytestmark = pytest.mark.integration
-MAX_TOKENS = 12
+NAME = "smollm2-135m-instruct"
+CHATS = ["What is the capital of France?", "Name three colors."]
+MAX_TOKENS = 10
 
 
 class RealCluster:
     def __init__(self, backend: str, log_dir: Path) -> None:
-        model = smollm2_path()
+        model = smollm2_gguf_path()
         flags = ["--num-kv-blocks", "128"]  # block size 4: room for the chat prompts and their answers
         self.processes: list[Process] = []
         try:
@@ -29,9 +34,9 @@ class RealCluster:
             self.processes.append(prefill)
             decode, decode_address = start_node("decode", model, backend, log_dir, flags)
             self.processes.append(decode)
-            # always hand the KV from P to D: this is the P/D path under test
+            # always hand the KV from P to D: the P/D path is what this tests
             proxy, self.url = start_proxy(model, prefill_address, decode_address, log_dir,
-                                          ["--colocate-max-tokens", "0", "--served-model-name", SMOLLM2_NAME])
+                                          ["--colocate-max-tokens", "0", "--served-model-name", NAME])
             self.processes.append(proxy)
         except BaseException:
             self.stop()
@@ -49,22 +54,32 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     c.stop()
 
 
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(smollm2_gguf_path())
+
+
 def test_greedy_answers_through_prefill_and_decode_nodes_equal_transformers(
-        cluster: RealCluster, smollm2_reference: Any) -> None:
-    for prompt in CHAT_PROMPTS:
-        token_ids = smollm2_reference.chat_token_ids(prompt)
-        expected = smollm2_reference.greedy(token_ids, MAX_TOKENS)
+        cluster: RealCluster, tokenizer: Any, smollm2_oracle: Any) -> None:
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
+                                                  add_generation_prompt=True, return_dict=False))
+               for question in CHATS]
+    expected = greedy(smollm2_oracle, prompts, MAX_TOKENS)
+    for prompt, tokens in zip(prompts, expected, strict=True):
         r = httpx.post(f"{cluster.url}/v1/completions", timeout=120, json={
-            "model": SMOLLM2_NAME, "prompt": token_ids, "max_tokens": MAX_TOKENS, "temperature": 0})
+            "model": NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0})
         assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["choices"][0]["text"] == smollm2_reference.tokenizer.decode(expected, skip_special_tokens=True)
-        assert body["usage"]["completion_tokens"] == len(expected), prompt
+        choice = r.json()["choices"][0]
+        # token for token: each sampled token's own text, in order, is transformers' token's
+        assert choice["logprobs"]["tokens"] == [decode_token(tokenizer, t) for t in tokens], prompt
+        assert choice["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def test_the_sdk_chat_answer_to_the_capital_of_france_names_paris(cluster: RealCluster) -> None:
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused")
     answer = client.chat.completions.create(
-        model=SMOLLM2_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=16, temperature=0)
+        model=NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
+        temperature=0)
     assert "Paris" in (answer.choices[0].message.content or "")
+    assert answer.choices[0].finish_reason == "stop"

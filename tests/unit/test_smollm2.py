@@ -4,15 +4,13 @@ the capital of France."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from transformers import PreTrainedModel
 
 from engine import LLM, SamplingParams
 from engine.gguf_config import metadata_value, open_gguf, smollm2_gguf_path
 from engine.types import FinishReason
-from tests.fixtures.gguf_models import greedy, load_gguf_oracle
+from tests.fixtures.gguf_models import greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 CHATS = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -23,21 +21,16 @@ def llm() -> LLM:
     return LLM(model=str(smollm2_gguf_path()), dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def oracle() -> Iterator[PreTrainedModel]:
-    yield load_gguf_oracle(smollm2_gguf_path())
-
-
 def chat_prompt(llm: LLM, question: str) -> list[int]:
     messages = [{"role": "user", "content": question}]
     return list(llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                         return_dict=False))
 
 
-def test_greedy_chat_tokens_match_transformers_on_the_same_gguf(llm: LLM, oracle: PreTrainedModel) -> None:
+def test_greedy_chat_tokens_match_transformers_on_the_same_gguf(llm: LLM, smollm2_oracle: PreTrainedModel) -> None:
     prompts = [chat_prompt(llm, question) for question in CHATS]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    assert ours == greedy(oracle, prompts, GREEDY.max_tokens)
+    assert ours == greedy(smollm2_oracle, prompts, GREEDY.max_tokens)
 
 
 def test_the_chat_answer_names_paris(llm: LLM) -> None:
@@ -50,8 +43,8 @@ def test_the_chat_answer_names_paris(llm: LLM) -> None:
     assert answer.finish_reason == FinishReason.STOP
 
 
-def test_config_from_metadata_equals_what_transformers_reads(llm: LLM, oracle: PreTrainedModel) -> None:
-    ours, theirs = llm.engine.model_config, oracle.config
+def test_config_from_metadata_equals_what_transformers_reads(llm: LLM, smollm2_oracle: PreTrainedModel) -> None:
+    ours, theirs = llm.engine.model_config, smollm2_oracle.config
     assert (ours.hidden_size, ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.vocab_size,
             ours.intermediate_size, ours.head_dim, ours.max_position_embeddings, ours.tie_word_embeddings) == (
         theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads, theirs.num_key_value_heads,
