@@ -47,14 +47,8 @@ def plot_distributions(results: Sequence[Named], out_path: Path) -> Path | None:
             if values:
                 axis.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
     for axis, title in ((ttft_axis, "TTFT (ms)"), (tpot_axis, "TPOT (ms)")):
-        axis.set_xlabel(title)
-        axis.set_ylabel("fraction of requests")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(out_path, dpi=110)
-    plt.close(figure)
-    return out_path
+        _label(axis, title, "fraction of requests")
+    return _save(plt, figure, out_path)
 
 
 def plot_sweep(results: Sequence[Named], out_path: Path) -> Path:
@@ -74,10 +68,18 @@ def plot_sweep(results: Sequence[Named], out_path: Path) -> Path:
                 axis.plot(x, [r[f"p99_{metric}_ms"] for r in runs], marker="x", linestyle="--",
                           color=line.get_color(), label=f"{label} p99")
     for axis, metric in zip(axes, ("TTFT", "TPOT"), strict=True):
-        axis.set_xlabel("output throughput (tok/s)")
-        axis.set_ylabel(f"{metric} (ms)")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        _label(axis, "output throughput (tok/s)", f"{metric} (ms)")
+    return _save(plt, figure, out_path)
+
+
+def _label(axis: Any, xlabel: str, ylabel: str) -> None:
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+
+
+def _save(plt: Any, figure: Any, out_path: Path) -> Path:
     figure.tight_layout()
     figure.savefig(out_path, dpi=110)
     plt.close(figure)

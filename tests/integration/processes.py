@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -131,3 +133,23 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+
+
+@contextlib.contextmanager
+def pd_cluster(model: Path, backend: str, log_dir: Path, node_flags: list[str] | None = None,
+               proxy_flags: list[str] | None = None) -> Iterator[str]:
+    """A prefill node, a decode node and a proxy in front of them that hands every request from P to D
+    (`--colocate-max-tokens 0`); yields the proxy's URL and stops all three on exit, also when one fails to start."""
+    processes: list[Process] = []
+    try:
+        prefill, prefill_address = start_node("prefill", model, backend, log_dir, node_flags)
+        processes.append(prefill)
+        decode, decode_address = start_node("decode", model, backend, log_dir, node_flags)
+        processes.append(decode)
+        proxy, url = start_proxy(model, prefill_address, decode_address, log_dir,
+                                 ["--colocate-max-tokens", "0", *(proxy_flags or [])])
+        processes.append(proxy)
+        yield url
+    finally:
+        for process in reversed(processes):
+            process.stop()

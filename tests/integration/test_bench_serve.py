@@ -11,7 +11,7 @@ import pytest
 
 from cluster.cli import main
 from tests.fixtures.tiny_models import TinyModelFactory
-from tests.integration.processes import Process, start_node, start_proxy
+from tests.integration.processes import pd_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -19,19 +19,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def proxy_url(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     model = tiny_model("llama")
-    log_dir = tmp_path_factory.mktemp("bench-logs")
-    processes: list[Process] = []
-    try:
-        prefill, prefill_address = start_node("prefill", model, "nixl", log_dir)
-        processes.append(prefill)
-        decode, decode_address = start_node("decode", model, "nixl", log_dir)
-        processes.append(decode)
-        proxy, url = start_proxy(model, prefill_address, decode_address, log_dir, ["--colocate-max-tokens", "0"])
-        processes.append(proxy)
+    with pd_cluster(model, "nixl", tmp_path_factory.mktemp("bench-logs")) as url:
         yield url, model
-    finally:
-        for process in reversed(processes):
-            process.stop()
 
 
 def _bench(url: str, model: Path, result_dir: Path, *flags: str) -> list[dict[str, object]]:
