@@ -24,15 +24,16 @@ class ModelChoiceError(ValueError):
 
 def resolve_model(model: str | None, served_model_name: str | None) -> tuple[Path, str]:
     """The model's path and its served name, checked loadable (config readable, architecture supported)."""
-    if model is None:
-        path, name = smollm2_gguf_path(), DEFAULT_MODEL_NAME
-    elif model == DEMO_MODEL_ARG:
-        path, name = ensure_demo_model(), DEMO_MODEL_NAME
-    else:
-        path = Path(model).expanduser()
-        name = path.stem if path.suffix == ".gguf" else path.name
-    try:
+    if model is None:  # known good: not parsed here (reading its metadata takes seconds; the nodes do it)
+        try:
+            return smollm2_gguf_path().resolve(), served_model_name or DEFAULT_MODEL_NAME
+        except ModelConfigError as e:
+            raise ModelChoiceError(str(e)) from None
+    if model == DEMO_MODEL_ARG:
+        return ensure_demo_model().resolve(), served_model_name or DEMO_MODEL_NAME
+    path = Path(model).expanduser()
+    try:  # a user's path: refused here with the reason, before any node starts
         ModelConfig.from_path(path)
     except ModelConfigError as e:
         raise ModelChoiceError(f"--model {path}: {e}") from None
-    return path.resolve(), served_model_name or name
+    return path.resolve(), served_model_name or (path.stem if path.suffix == ".gguf" else path.name)
