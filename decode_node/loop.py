@@ -8,8 +8,9 @@ A request's life on a decode node (D):
    WAITING_FOR_REMOTE_KV in the engine: see engine/request.py); when the pool is full it waits, extending
    the lease, until blocks free up or the deadline passes.
 4. D pulls the blocks it lacks with one READ (runs of consecutive ids become single descriptors), polled
-   from the engine thread, and verifies each pulled block's checksum. A failed or corrupt transfer aborts
-   the request (freeing the blocks) with a retryable error: never a success with wrong KV.
+   from the engine thread, and verifies each pulled block's checksum (in one batch, with the algorithm P's
+   checksums name: a ticket naming one D does not know is refused before the pull). A failed or corrupt
+   transfer aborts the request (freeing the blocks) with a retryable error: never a success with wrong KV.
 5. D releases the ticket on P and admits the request (`admit_remote_kv`: num_computed_tokens = len(prompt),
    the first token appended): from here it is batched like any other request, and its tokens stream back.
 6. A client that goes away, or a deadline that passes, aborts the request and frees its blocks.
@@ -35,9 +36,9 @@ from engine.request import Request
 from engine.sampler import SampledToken
 from engine.scheduler import ReservedBlocks
 from engine.types import FinishReason, PositionLogprobs, SamplingParams, StepOutput
-from kvtransfer import KVRegion, TransferError, TransferStatus
+from kvtransfer import InvalidRequestError, KVRegion, TransferError, TransferStatus
 from kvtransfer.base import Connector, TransferHandle
-from kvtransfer.checksum import kv_checksum
+from kvtransfer.checksum import checksum_algorithm, mismatched_blocks
 from wire import KVTicket
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,11 @@ class DecodeLoop:
         expected = ticket.block_checksums[skip:]
         if not remote:
             return
+        try:  # before the transfer: a ticket D cannot verify is not worth pulling
+            for checksum in set(expected):
+                checksum_algorithm(checksum)
+        except InvalidRequestError as e:
+            raise DecodeError("INVALID_ARGUMENT", f"ticket {ticket.ticket_id} cannot be verified here: {e}") from e
         pull_started = time.perf_counter()
 
         def start(_: LLMEngine) -> TransferHandle:
@@ -237,8 +243,9 @@ class DecodeLoop:
         self.transfer_seconds += time.perf_counter() - pull_started
 
     def _verify(self, local: list[int], expected: tuple[str, ...]) -> list[int]:
-        # KVTicket guarantees one checksum per block (a ticket without them never gets this far)
-        return [b for b, checksum in zip(local, expected, strict=True) if kv_checksum(self.region, [b]) != checksum]
+        # KVTicket guarantees one checksum per block (a ticket without them never gets this far); each block is
+        # checked with the algorithm P named (mix64 from a GPU node, xxh3 from a CPU node), in one batch
+        return mismatched_blocks(self.region, local, expected)
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.call(lambda e: self.engine.abort(e, request_id))

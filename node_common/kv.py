@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.llm_engine import LLMEngine
 from kvtransfer import KVLayout, KVRegion, make_connector
 from kvtransfer.base import Connector
-from kvtransfer.checksum import kv_checksum
+from kvtransfer.checksum import kv_block_checksums
 from settings.cluster import TransportSettings
 
 
@@ -31,9 +31,13 @@ def open_connector(engine: LLMEngine, backend: str, host: str, name: str,
     connector = make_connector(backend, layout=kv_layout(engine), agent_name=name, host=host,
                                **transport.connector_options(backend))
     region = kv_region(engine)
+    # a GPU pool's checksums run a Triton kernel: compile it now, not on the first request's ticket
+    block_checksums(region, [0])
     return connector, region, connector.register(region)
 
 
 def block_checksums(region: KVRegion, block_ids: list[int]) -> tuple[str, ...]:
-    """One checksum per block: a decode node that already holds some blocks verifies only those it pulled."""
-    return tuple(kv_checksum(region, [block_id]) for block_id in block_ids)
+    """One checksum per block, all computed in one batch (for a GPU pool: one kernel launch and one small copy
+    to the host, kvtransfer/gpu_checksum.py): a decode node that already holds some blocks verifies only those
+    it pulled, with the algorithm each checksum names (kvtransfer.checksum.mismatched_blocks)."""
+    return tuple(kv_block_checksums(region, block_ids))

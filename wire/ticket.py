@@ -20,8 +20,9 @@ class KVTicket:
 
     `prefill_address` is that node's advertised gRPC address (lease calls go there), `transfer_endpoint`
     its connector metadata (kvtransfer.handshake envelope). `block_checksums` has one checksum per block
-    (kvtransfer.checksum.kv_checksum of that block alone): a decode node reuses its own prefix-cache hits,
-    whose bytes need not equal P's bit for bit, and verifies exactly the blocks it pulled.
+    (kvtransfer.checksum.kv_block_checksums: each block alone, `"<algorithm>:<hex>"`): a decode node reuses
+    its own prefix-cache hits, whose bytes need not equal P's bit for bit, and verifies exactly the blocks it
+    pulled.
     """
 
     ticket_id: str
