@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtransfer.base import Connector, KVRegion, MemoryKind, PeerId, TransferHandle, TransferStatus
-from kvtransfer.checksum import kv_checksum
+from kvtransfer.checksum import kv_block_checksums, kv_checksum
 from kvtransfer.errors import (
     BackendError,
     ConnectorClosedError,
@@ -35,7 +35,7 @@ __all__ = [
     "BACKENDS", "CONNECTOR_VERSION", "BackendError", "Connector", "ConnectorClosedError", "IncompatiblePeerError",
     "InvalidDescriptorError", "InvalidMetadataError", "InvalidRequestError", "KVLayout", "KVRegion", "MemoryKind",
     "PeerDisconnectedError", "PeerId", "TransferError", "TransferHandle", "TransferStatus", "UnknownPeerError",
-    "UnknownTransferError", "kv_checksum", "layout_hash", "make_connector",
+    "UnknownTransferError", "kv_block_checksums", "kv_checksum", "layout_hash", "make_connector",
 ]
 
 

@@ -195,6 +195,12 @@ def test_bad_tickets_get_clear_errors_and_the_node_survives(cluster: Cluster) ->
     with pytest.raises(grpc.aio.AioRpcError) as e:
         asyncio.run(_generate(cluster.decode_address, prompt, malformed))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksums" in (e.value.details() or "")
+    unverifiable = pb.PrefillResponse()  # a checksum algorithm D does not know: refused before the pull
+    unverifiable.CopyFrom(prefilled)
+    unverifiable.ticket.block_checksums[0] = "md5:00"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(_generate(cluster.decode_address, prompt, unverifiable))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "algorithm" in (e.value.details() or "")
     # the real ticket still works afterwards
     assert len(asyncio.run(_generate(cluster.decode_address, prompt, prefilled))) == 7
     assert cluster.decode.alive and cluster.prefill.alive

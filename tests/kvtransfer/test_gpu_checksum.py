@@ -95,9 +95,12 @@ def test_the_torch_twin_equals_the_oracle_however_it_chunks(num_blocks: int, blo
     assert twin(words, block_ids, block_words, chunk_words) == oracle(words, block_ids, block_words)
 
 
-def test_the_twin_handles_words_with_the_top_bit_set_and_extreme_words() -> None:
+def test_the_twin_handles_words_and_positions_with_the_top_bit_set() -> None:
     words = np.array([[0, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF] * 16], dtype=np.uint32)
     assert twin(words, [0]) == oracle(words, [0]) == [python_mix64(words[0].tolist())]
+    # the second block's positions start past 2^31: x's top bit, the int64 sign, is set before any mixing
+    stride = 3_000_000_000
+    assert twin(words, [0, 0, 0], stride) == oracle(words, [0, 0, 0], stride)
 
 
 def test_block_checksum_strings_of_a_host_pool_follow_the_formula() -> None:
@@ -152,6 +155,7 @@ def test_the_triton_kernel_interpreted_equals_the_oracle(block_words: int, sizes
     tensor = torch.from_numpy(words.view(np.int32))
     assert triton_sums(tensor, block_ids, **sizes) == oracle(words, block_ids)
     assert triton_sums(tensor, block_ids, block_words, **sizes) == oracle(words, block_ids, block_words)
+    assert triton_sums(tensor, block_ids, 3_000_000_000, **sizes) == oracle(words, block_ids, 3_000_000_000)
 
 
 @interpreted
