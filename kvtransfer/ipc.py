@@ -191,8 +191,11 @@ class IpcConnector(BlockConnector):
 
     def _check_read(self, state: _HostRead | _GpuRead) -> tuple[TransferStatus, str | None]:
         if isinstance(state, _GpuRead):
-            if not state.event.query():
-                return TransferStatus.PENDING, None
+            try:
+                if not state.event.query():
+                    return TransferStatus.PENDING, None
+            except RuntimeError as e:  # a CUDA error surfaced by the copies
+                return TransferStatus.FAILED, f"the GPU copies failed: {e}"
             reason = peer_gone_reason(state.peer.process, state.peer.socket_name)
         else:
             if not state.future.done():

@@ -70,7 +70,7 @@ def export_pool(region: KVRegion, pool: torch.Tensor, socket_name: str) -> CudaS
     try:
         (device, handle, storage_bytes, storage_offset_bytes, ref_counter_handle, ref_counter_offset, event_handle,
          event_sync_required) = storage._share_cuda_()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", f"cuda:{device}"))
     except (RuntimeError, ValueError, TypeError) as e:
         raise BackendError(f"torch could not share the GPU pool through CUDA IPC: {e} (with "
                            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, older torch builds cannot)") from None
