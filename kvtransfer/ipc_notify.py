@@ -46,12 +46,15 @@ def socket_address(name: str) -> bytes:
 
 
 def is_bound(name: str) -> bool:
-    """Whether a socket is bound at `name` now (connect() to an abstract name nobody holds is refused)."""
+    """Whether a socket is bound at `name` now: connect() to an abstract name nobody holds is refused. Any other
+    error says nothing about the peer, so it counts as bound (a false "closed" would fail every read)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect(socket_address(name))
-        except OSError:
-            return False
+        except OSError as e:
+            if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                return False
+            logger.warning("probing the ipc socket %s failed (%s): assuming its connector is open", name, e)
     return True
 
 

@@ -136,10 +136,11 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
 
     kv = block_pattern(seed, num_blocks, block_bytes)
     pool: Any = kv
-    if device != "cpu":  # a GPU pool: a CUDA tensor holding the same pattern
+    if device != "cpu":  # a GPU pool holding the same pattern, inside a larger allocation as the engine's pool is
         import torch
 
-        pool = torch.from_numpy(kv).to(device)
+        pool = torch.zeros((num_blocks + 2, block_bytes), dtype=torch.uint8, device=device)[1:num_blocks + 1]
+        pool.copy_(torch.from_numpy(kv))
     launched_with = transport_variables()
     # loopback through the connector's own settings (NIXL: UCX's device list), not through the environment
     options = TransportSettings(ucx_devices="lo").connector_options(backend)

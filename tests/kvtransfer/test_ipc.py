@@ -386,3 +386,21 @@ def test_copy_runs_lands_each_run_in_its_local_blocks() -> None:
     expected = np.zeros((50, 64), dtype=np.uint8)
     expected[local_ids] = remote_owner.numpy().view(np.uint8).reshape(40, 64)[remote_ids]
     np.testing.assert_array_equal(local.numpy(), expected)
+
+
+def test_byte_view_is_the_region_inside_a_larger_storage_and_refuses_one_that_does_not_fit() -> None:
+    import torch
+
+    from kvtransfer import InvalidRequestError
+    from kvtransfer.ipc_cuda import byte_view
+
+    allocation = torch.arange(12 * 16, dtype=torch.int32).reshape(12, 16)  # 64-byte rows
+    pool = allocation[1:11]  # the engine's pool is such a slice: a spare block follows it
+    region = KVRegion.from_buffer(pool)
+    storage = pool.untyped_storage()
+    view = byte_view(storage, region.base_address - storage.data_ptr(), region.num_blocks, region.block_bytes,
+                     pool.device)
+    assert view.data_ptr() == pool.data_ptr() and view.shape == (10, 64)
+    np.testing.assert_array_equal(view.numpy(), pool.numpy().view(np.uint8).reshape(10, 64))
+    with pytest.raises(InvalidRequestError, match="does not fit"):
+        byte_view(storage, 3 * 64, 10, 64, pool.device)
