@@ -4,6 +4,10 @@ A connector owns one registered memory region per rank, the KV pool, laid out bl
 every layer is one contiguous run of `block_bytes` bytes at `base_address + i * block_bytes`, and a run of
 consecutive block ids is one contiguous range. It knows block ids and memory regions, never models or schedulers.
 
+Backends: `nixl` (UCX) and `mooncake` (TransferEngine) between any hosts, `ipc` between processes of one host
+(process_vm_readv for host memory, CUDA IPC for GPU memory); all pass one contract suite
+(tests/kvtransfer/test_contract.py).
+
 Lifecycle of a pull (decode side D, prefill side P; both run the same code):
 
     P: metadata_p = connector.register(region)        D: metadata_d = connector.register(region)
@@ -16,7 +20,7 @@ Lifecycle of a pull (decode side D, prefill side P; both run the same code):
 
 Threading: a connector is not thread-safe; one loop owns it and calls `progress()` regularly (at least every few
 milliseconds while transfers may be running against its memory: with NIXL the memory owner must make progress
-for a peer's read to complete).
+for a peer's read to complete; with ipc, the progress call only moves notifications).
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ class Connector(abc.ABC):
     peer died, timed out) is reported by `poll` as FAILED, never raised, and never hangs: reads have a timeout.
     """
 
-    backend_name: str  # "nixl" or "mooncake": peers must use the same backend
+    backend_name: str  # "nixl", "mooncake" or "ipc" (same host only): peers must use the same backend
 
     @property
     @abc.abstractmethod

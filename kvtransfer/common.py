@@ -1,4 +1,4 @@
-"""The bookkeeping both backends share, so that each backend file is only its library's calls.
+"""The bookkeeping every backend shares, so that each backend file is only its library's calls.
 
 `BlockConnector` implements the `Connector` contract over a handful of backend hooks (`_register_region`,
 `_connect_peer`, `_start_read`, `_check_read`, ...). It validates everything before a hook runs (the libraries

@@ -6,7 +6,8 @@ dim, block size, TP size (and hash seed and connector version). Each connector's
     b"TKVP" | header length (4 bytes, big-endian) | JSON header | backend payload
 
 where the header names the envelope version, backend, agent name, the layout (fields and hash) and the region
-geometry, and the payload is the backend's own bytes (NIXL agent metadata, Mooncake endpoint record).
+geometry, and the payload is the backend's own bytes (NIXL agent metadata, Mooncake endpoint record,
+ipc process and CUDA IPC record).
 `check_compatible` refuses a peer with a clear message naming every differing field.
 """
 

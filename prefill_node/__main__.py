@@ -1,4 +1,5 @@
-"""python -m prefill_node --model DIR --port N [--kv-backend nixl|mooncake] [--registry redis://H:P] [engine flags]"""
+"""python -m prefill_node --model DIR --port N [--kv-backend nixl|mooncake|ipc] [--registry redis://H:P]
+[engine flags]"""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from typing import Any
 from engine.config import DTYPES, EngineConfig
 from settings.spec import group, setting
 
-KV_BACKENDS = ("nixl", "mooncake")
+KV_BACKENDS = ("nixl", "mooncake", "ipc")  # ipc: nodes on one host only (process_vm_readv, CUDA IPC)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 

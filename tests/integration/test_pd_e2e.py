@@ -1,5 +1,5 @@
-"""One prefill node, one decode node and the proxy as separate processes on loopback, for both KV transfer
-backends: completions equal transformers' greedy tokens, no block leaks, leases, aborts, restarts, and
+"""One prefill node, one decode node and the proxy as separate processes on loopback, for every KV transfer
+backend: completions equal transformers' greedy tokens, no block leaks, leases, aborts, restarts, and
 corruption caught by the checksum."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 from tests.integration.processes import start_node, start_proxy
 
 pytestmark = pytest.mark.integration
-BACKENDS = ["nixl", "mooncake"]
+BACKENDS = ["nixl", "mooncake", "ipc"]
 
 
 class Cluster:

@@ -1,6 +1,7 @@
 """A connector in its own process (spawned), driven over a pipe: the contract suite's two "nodes".
 
-The child owns a KV region filled with a pattern known from its seed, registers it, and then serves commands
+The child owns a KV region filled with a pattern known from its seed (in host memory, or on a GPU for
+`device="cuda"` / `"cuda:1"`), registers it, and then serves commands
 while calling `connector.progress()` about every millisecond, as a node's loop would. A command that raises comes
 back as `RemoteError` carrying the exception's class name, so a test can check the error type without sharing
 the objects; the child keeps serving.
@@ -45,13 +46,13 @@ class PeerProcess:
 
     def __init__(self, backend: str, *, num_blocks: int = 64, block_bytes: int = 4096, seed: int = 0,
                  layout: dict[str, Any] | None = None, read_timeout_s: float = 10.0,
-                 env: dict[str, str] | None = None, wait: bool = True) -> None:
+                 env: dict[str, str] | None = None, wait: bool = True, device: str = "cpu") -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self.process = context.Process(
             target=serve, daemon=True,
             args=(child_conn, backend, num_blocks, block_bytes, seed, layout or DEFAULT_LAYOUT, read_timeout_s,
-                  env or {}))
+                  env or {}, device))
         self.process.start()
         child_conn.close()
         self.backend, self.num_blocks, self.block_bytes, self.seed = backend, num_blocks, block_bytes, seed
@@ -127,18 +128,24 @@ def transport_variables() -> dict[str, str]:
 
 
 def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, seed: int, layout: dict[str, Any],
-          read_timeout_s: float, env: dict[str, str]) -> None:
+          read_timeout_s: float, env: dict[str, str], device: str = "cpu") -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.update({**launch_environment(read_timeout_s), **env})
     from kvtransfer import KVLayout, KVRegion, PeerId, TransferError, make_connector
     from settings import TransportSettings
 
     kv = block_pattern(seed, num_blocks, block_bytes)
+    pool: Any = kv
+    if device != "cpu":  # a GPU pool holding the same pattern, inside a larger allocation as the engine's pool is
+        import torch
+
+        pool = torch.zeros((num_blocks + 2, block_bytes), dtype=torch.uint8, device=device)[1:num_blocks + 1]
+        pool.copy_(torch.from_numpy(kv))
     launched_with = transport_variables()
     # loopback through the connector's own settings (NIXL: UCX's device list), not through the environment
     options = TransportSettings(ucx_devices="lo").connector_options(backend)
     connector = make_connector(backend, layout=KVLayout(**layout), read_timeout_s=read_timeout_s, **options)
-    region = KVRegion.from_buffer(kv)
+    region = KVRegion.from_buffer(pool)
     conn.send(("ok", (connector.register(region), connector.agent_name)))
     inbox: list[tuple[str, bytes]] = []
 
@@ -173,7 +180,7 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
         "poll_unknown": lambda: connector.poll(make_foreign_handle()),
         "notify": connector.notify,
         "notifications": notifications,
-        "blocks": lambda: kv.copy(),
+        "blocks": lambda: kv.copy() if pool is kv else pool.cpu().numpy(),
         "checksum": checksum,
         # what the connector changed in the process environment (a library must leave it alone)
         "environment_changes": lambda: {k: v for k, v in transport_variables().items() if launched_with.get(k) != v},

@@ -23,6 +23,7 @@ from tests.kvtransfer.peer_process import PeerProcess, RemoteError
 NUM_BLOCKS = 2100  # enough for a read of more than 1024 descriptors (Mooncake splits its batches there)
 BLOCK_BYTES = 2048
 FAST_S = 5.0  # "quickly": how long a failure may take to show
+ONE_SIDED_BACKENDS = {"ipc"}  # read the peer's memory without the peer's help (see the hung-peer test)
 
 
 @dataclasses.dataclass
@@ -303,6 +304,13 @@ def test_read_from_a_killed_peer_fails_quickly(pair: Pair, spawn_peer: Callable[
 
 def test_read_from_a_hung_peer_times_out_and_the_pair_recovers(pair: Pair,
                                                                spawn_peer: Callable[..., PeerProcess]) -> None:
+    """A stopped (SIGSTOP) peer. A two-sided transport needs the peer to answer, so the read times out and the pair
+    works again once the peer runs. ipc reads the peer's memory itself (process_vm_readv, CUDA IPC): a stopped
+    process's memory is all there and the blocks a ticket names are pinned under its lease, so the read must land
+    exactly and at once, and notifications must neither block nor be lost while the peer cannot take them."""
+    if pair.backend in ONE_SIDED_BACKENDS:
+        check_a_stopped_peer_is_read_exactly(pair, spawn_peer())
+        return
     # NIXL over shared memory reads a stopped process's memory directly; over TCP the peer must answer.
     peer = spawn_peer(env={"UCX_TLS": "tcp"})
     peer_id = pair.decode.call("add_peer", peer.metadata)
@@ -314,6 +322,27 @@ def test_read_from_a_hung_peer_times_out_and_the_pair_recovers(pair: Pair,
     assert time.monotonic() - started < FAST_S
     peer.signal(signal.SIGCONT)
     assert pair.decode.call("read", peer_id, [10], [10], FAST_S)["status"] == "DONE"
+    pair.decode.call("remove_peer", peer_id)
+
+
+def check_a_stopped_peer_is_read_exactly(pair: Pair, peer: PeerProcess) -> None:
+    peer_id = pair.decode.call("add_peer", peer.metadata)
+    peer.signal(signal.SIGSTOP)
+    before = pair.decode.call("blocks")
+    result = pair.decode.call("read", peer_id, [8, 9, 40], [8, 9, 41], 3 * FAST_S)
+    assert result["status"] == "DONE" and result["seconds"] < FAST_S, result
+    expected = before.copy()
+    expected[[8, 9, 41]] = peer.initial_blocks()[[8, 9, 40]]
+    np.testing.assert_array_equal(pair.decode.call("blocks"), expected)
+    # more messages than a stopped receiver's socket queue holds (net.unix.max_dgram_qlen is often 10)
+    messages = [f"release t-{i}".encode() for i in range(25)]
+    started = time.monotonic()
+    for message in messages:
+        pair.decode.call("notify", peer_id, message)
+    assert time.monotonic() - started < FAST_S
+    peer.signal(signal.SIGCONT)
+    received = peer.call("notifications", len(messages), FAST_S)
+    assert sorted(received) == sorted((pair.decode_id, m) for m in messages)
     pair.decode.call("remove_peer", peer_id)
 
 

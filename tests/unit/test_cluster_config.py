@@ -84,7 +84,7 @@ def test_a_yaml_key_without_a_value_leaves_the_setting_to_env_and_default(tmp_pa
     ("decode_nodez: 2\n", "unknown setting 'decode_nodez'"),
     ("decode_nodes: two\n", "decode_nodes: expected int"),
     ("decode_nodes: 1.5\n", "decode_nodes: expected int"),
-    ("kv_backend: ucx\n", "must be one of nixl, mooncake"),
+    ("kv_backend: ucx\n", "must be one of nixl, mooncake, ipc"),
     ("tp: 0\n", "must be at least 1"),
     ("- a list\n", "must hold a mapping"),
     ("port: [1\n", "not valid YAML"),
