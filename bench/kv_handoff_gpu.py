@@ -3,7 +3,7 @@
     python bench/kv_handoff_gpu.py [--device cuda|cpu] [--backends nixl,nixl-write,ipc,mooncake]
         [--prompt-tokens 1024,4096,16384] [--repeats 20] [--warmup 3] [--json FILE]
         [--variant 'name=NAME ucx_config=KEY=VALUE,... env:NAME=VALUE ...'] ... [--ucx-devices lo]
-        [--mooncake-protocol tcp]
+        [--mooncake-protocol tcp] [--job-timeout 240]
 
 Each pool is laid out like the engine's KV cache, block-major [num_blocks, num_layers, 2, block_size, kv_heads,
 head_dim], Llama-3.1-8B shaped (32 layers, 8 KV heads of 128, blocks of 16 tokens: 2 MiB a block), filled with
@@ -49,13 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kv_handoff_worker import BLOCK_SIZE, Case, WorkerSpec, measure, serve  # noqa: E402
 from kvtransfer import BACKENDS, InvalidRequestError  # noqa: E402
-from kvtransfer.descriptors import coalesce_runs  # noqa: E402
 from kvtransfer.ucx_config import parse_ucx_config  # noqa: E402
 from settings.cluster import TransportSettings  # noqa: E402
 
 NIXL_ROWS = ("nixl", "nixl-write")
 BASE_ENV = {"NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "WARNING", "UCX_MODULES": "^ib"}
-CHILD_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -109,8 +107,9 @@ def make_cases(prompt_tokens: list[int], pool_blocks: int, seed: int) -> tuple[C
     return tuple(cases)
 
 
-def run_worker(spec: WorkerSpec) -> tuple[list[dict[str, Any]] | None, str | None]:
-    """Runs P (unless `copy`) and D in spawned processes; (rows, None) or (None, why it failed)."""
+def run_worker(spec: WorkerSpec, timeout_s: float) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Runs P (unless `copy`) and D in spawned processes; (rows, None) or (None, why it failed). Processes still
+    there `timeout_s` after the start are killed."""
     context = multiprocessing.get_context("spawn")
     results, results_child = context.Pipe()
     p_link, d_link = context.Pipe() if spec.backend != "copy" else (None, None)
@@ -120,8 +119,8 @@ def run_worker(spec: WorkerSpec) -> tuple[list[dict[str, Any]] | None, str | Non
         if process is not None:
             process.start()
     try:
-        if not results.poll(CHILD_TIMEOUT_S):
-            return None, f"no answer in {CHILD_TIMEOUT_S:g} s (D alive: {client.is_alive()})"
+        if not results.poll(timeout_s):
+            return None, f"no answer in {timeout_s:g} s (D alive: {client.is_alive()})"
         try:
             kind, payload = results.recv()
         except EOFError:
@@ -171,6 +170,8 @@ def main() -> None:
     parser.add_argument("--ucx-devices", default="lo", help="NIXL's ucx_devices (default lo: one machine)")
     parser.add_argument("--mooncake-protocol", default="tcp")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--job-timeout", type=float, default=240.0,
+                        help="seconds one backend's processes may take before they are killed (default 240)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     on_cpu = args.device == "cpu"
@@ -196,7 +197,7 @@ def main() -> None:
         spec = replace(base, backend=backend, env={**BASE_ENV, **variant.env},
                        connector_options=connector_options(backend, variant, args))
         print(f"[{variant.name}] {backend} ...", file=sys.stderr, flush=True)
-        result, reason = run_worker(spec)
+        result, reason = run_worker(spec, args.job_timeout)
         if result is None:
             skipped.append({"variant": variant.name, "backend": backend, "reason": reason or "?"})
             print(f"[{variant.name}] {backend} skipped: {reason}", file=sys.stderr, flush=True)

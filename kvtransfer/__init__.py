@@ -43,7 +43,7 @@ def make_connector(name: str, *, layout: KVLayout, agent_name: str | None = None
                    host: str = "127.0.0.1", **backend_options: Any) -> Connector:
     """A connector of backend `name` ("nixl" or "mooncake"). `host` is the address peers reach this node on
     (Mooncake's RPC address; NIXL's UCX picks its devices from `ucx_devices`). `backend_options` go to the
-    backend (NIXL: `ucx_devices="lo"`; Mooncake: `protocol="tcp"|"rdma"`)."""
+    backend (NIXL: `ucx_devices="lo"`, `ucx_config="KEY=VALUE,..."`; Mooncake: `protocol="tcp"|"rdma"`)."""
     if name == "nixl":
         from kvtransfer.nixl import NixlConnector
 
