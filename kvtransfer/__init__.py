@@ -46,8 +46,8 @@ def make_connector(name: str, *, layout: KVLayout, agent_name: str | None = None
                    host: str = "127.0.0.1", **backend_options: Any) -> Connector:
     """A connector of backend `name` ("nixl", "mooncake" or "ipc"). `host` is the address peers reach this node on
     (Mooncake's RPC address; NIXL's UCX picks its devices from `ucx_devices`; ipc peers are on this host).
-    `backend_options` go to the backend (NIXL: `ucx_devices="lo"`; Mooncake: `protocol="tcp"|"rdma"`; ipc:
-    `read_threads=2`)."""
+    `backend_options` go to the backend (NIXL: `ucx_devices="lo"`, `ucx_config="KEY=VALUE,..."`; Mooncake:
+    `protocol="tcp"|"rdma"|"nvlink_intra"`; ipc: `read_threads=2`)."""
     if name == "nixl":
         from kvtransfer.nixl import NixlConnector
 

@@ -13,11 +13,21 @@ How it maps the contract (NIXL 1.5.1, `from nixl._api import nixl_agent`):
 No progress thread (it busy-polls a core) and no listener thread (metadata travels in our envelopes): the owning
 loop calls `progress()`, which the memory owner must do for a peer's first read to complete.
 
-Transport settings come in through the API, never through `os.environ`: `ucx_devices` is the UCX backend's own
-parameter (UCX_NET_DEVICES' equivalent; None lets UCX pick the NICs, as a real cluster wants; "lo" for one
-machine). What UCX and NIXL read only from the environment (UCX_MODULES, UCX_TLS, NIXL_LOG_LEVEL...) is the
-launcher's to set when it starts the process: `tandem serve` starts single-machine nodes with `UCX_MODULES=^ib`
-(with Debian's ibverbs providers installed, every UCX process crashes at exit without it), tests likewise.
+Transport settings come in through the API, never through `os.environ`, as the UCX backend's own parameters:
+- `ucx_devices` (UCX_NET_DEVICES' equivalent; None lets UCX pick the NICs, as a real cluster wants; "lo" for one
+  machine);
+- `ucx_config`, UCX settings 'KEY=VALUE,...' (NIXL's `engine_config`; see kvtransfer/ucx_config.py), on top of a
+  default chosen by the pool's memory kind: a VRAM pool gets `CUDA_IPC_ENABLE_GET_ZCOPY=y`, without which READs
+  between GPUs that NVML reports without NVLink crawl through UCX's TCP emulation. The memory kind is known only
+  at `register`, so the UCX backend is created there. Items UCX refuses are errors here (NIXL would ignore them).
+What UCX and NIXL read only from the environment (UCX_MODULES, list values such as UCX_TLS=a,b, NIXL_LOG_LEVEL...)
+is the launcher's to set when it starts the process: `tandem serve` starts single-machine nodes with
+`UCX_MODULES=^ib` (with Debian's ibverbs providers installed, every UCX process crashes at exit without it), tests
+likewise. A UCX_<KEY> variable there beats the same key in `ucx_config` (NIXL's rule).
+
+Descriptors (verified on 1.5.1 with NIXL's transfer telemetry, tests/kvtransfer/test_nixl_options.py):
+`make_prepped_xfer` merges consecutive index pairs of dense per-block lists, so the run-ordered indices of
+`BlockRuns.block_indices` become exactly one descriptor per run; no run-level descriptor lists are needed.
 """
 
 from __future__ import annotations
@@ -39,6 +49,14 @@ from kvtransfer.errors import (
     TransferError,
 )
 from kvtransfer.handshake import KVLayout, PeerEnvelope
+from kvtransfer.ucx_config import (
+    UcxConfig,
+    default_ucx_config,
+    loaded_ucp_library,
+    nixl_backend_params,
+    parse_ucx_config,
+    refused_items,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,31 +93,69 @@ class NixlConnector(BlockConnector):
     supported_memory_kinds = frozenset({MemoryKind.DRAM, MemoryKind.VRAM})
 
     def __init__(self, *, layout: KVLayout, agent_name: str | None = None, read_timeout_s: float = 30.0,
-                 ucx_devices: str | None = None) -> None:
-        """`ucx_devices`: the devices UCX may use ("lo", "mlx5_0:1,mlx5_1:1"); None: all it finds."""
+                 ucx_devices: str | None = None, ucx_config: str | None = None) -> None:
+        """`ucx_devices`: the devices UCX may use ("lo", "mlx5_0:1,mlx5_1:1"); None: all it finds.
+        `ucx_config`: UCX settings 'KEY=VALUE,...' on top of the memory kind's default (None: the default only)."""
         super().__init__(layout=layout, agent_name=agent_name, read_timeout_s=read_timeout_s)
         if ucx_devices is not None and (not isinstance(ucx_devices, str) or not ucx_devices.strip()):
             raise InvalidRequestError(f"ucx_devices must be a non-empty device list or None, got {ucx_devices!r}")
+        self._ucx_devices = ucx_devices
+        self._ucx_settings = parse_ucx_config(ucx_config) if ucx_config is not None else UcxConfig()
+        self._backend_params: dict[str, str] | None = None  # once the UCX backend exists (at register)
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
             raise BackendError(f"NIXL is not installed ({e}): pip install nixl==1.5.1") from None
-        # the UCX backend is created below, with its parameters (the agent config cannot carry them)
+        # the UCX backend is created at register, with its parameters (the agent config cannot carry them)
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
         try:
             self._agent: Any = nixl_agent(self.agent_name, config)
             if "UCX" not in self._agent.get_plugin_list():
                 raise BackendError("NIXL's UCX plugin is missing")
-            self._agent.create_backend("UCX", {"ucx_devices": ucx_devices} if ucx_devices else {})
         except TransferError:
             raise
         except Exception as e:
-            raise _translate(e, "creating the NIXL agent and its UCX backend") from None
+            raise _translate(e, "creating the NIXL agent") from None
         self._registration: Any = None
         self._local_blocks: Any = None
         self._uncancelled: list[Any] = []  # xfer handles NIXL could not cancel yet; released again later
 
+    @property
+    def backend_params(self) -> dict[str, str] | None:
+        """The parameters the UCX backend was created with, as NIXL reports them (None before `register`)."""
+        return dict(self._backend_params) if self._backend_params is not None else None
+
+    def _create_backend(self, memory_kind: MemoryKind) -> None:
+        defaults = default_ucx_config(memory_kind)
+        settings = self._ucx_settings.over(defaults)
+        try:
+            self._agent.get_plugin_params("UCX")  # loads the plugin, and with it the libucp it was built with
+            library = loaded_ucp_library()
+            refused = refused_items(settings, library) if library and settings.items else []
+        except TransferError:
+            raise
+        except Exception as e:
+            raise _translate(e, "checking the UCX settings") from None
+        if refused and library is not None:
+            given = [item for item in refused if item.partition("=")[0] in self._ucx_settings.keys]
+            if given:
+                raise InvalidRequestError(
+                    f"UCX ({library}) refuses the UCX setting(s) {', '.join(given)}: an unknown key, a key of a "
+                    "transport module not loaded on this machine (CUDA_IPC_* without CUDA, IB_* without "
+                    "InfiniBand), or a bad value; NIXL would ignore them silently")
+            logger.warning("UCX refuses the default setting(s) %s for %s memory here (no such transport module?): "
+                           "they have no effect", ", ".join(refused), memory_kind.value)
+        params = nixl_backend_params(settings, self._ucx_devices)
+        try:
+            self._agent.create_backend("UCX", params)
+            self._backend_params = dict(self._agent.get_backend_params("UCX"))
+        except Exception as e:
+            raise _translate(e, f"creating NIXL's UCX backend with {params}") from None
+        logger.info("NIXL UCX backend for %s memory: %s", memory_kind.value, params)
+
     def _register_region(self, region: KVRegion) -> bytes:
+        if self._backend_params is None:
+            self._create_backend(region.memory_kind)
         memory_kind = region.memory_kind.value
         try:
             self._registration = self._agent.register_memory(
@@ -187,6 +243,8 @@ class NixlConnector(BlockConnector):
             pending, self._uncancelled = self._uncancelled, []
             for xfer in pending:
                 self._release(xfer)
+        if self._backend_params is None:  # nothing registered yet: no backend to make progress on
+            return []
         try:
             notifications = self._agent.get_new_notifs()
         except Exception as e:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import DTYPES, EngineConfig
-from settings.spec import group, setting
+from settings.spec import ConfigError, group, setting
 
 KV_BACKENDS = ("nixl", "mooncake", "ipc")  # ipc: nodes on one host only (process_vm_readv, CUDA IPC)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma")
@@ -38,12 +38,33 @@ class TransportSettings:
     ucx_devices: str | None = setting(
         None, "NIXL: the network devices UCX may use, e.g. 'mlx5_0:1,mlx5_1:1' or 'lo' (default: UCX picks all; "
               "'lo' for a single-machine tandem serve)", metavar="DEVICES")
+    ucx_config: str | None = setting(
+        None, "NIXL: UCX settings for its UCX backend, 'KEY=VALUE,...' (UCX's names, the UCX_ prefix optional), "
+              "e.g. 'PROTO_EMULATION_ENABLE=n'; they add to and override the default, which is "
+              "CUDA_IPC_ENABLE_GET_ZCOPY=y for a KV pool on a GPU (GPU-to-GPU reads crawl over TCP without it where "
+              "NVLink is not reported) and nothing for one in host memory. A value cannot hold a comma: list "
+              "values such as UCX_TLS=a,b go in the nodes' environment (--transport-env)", metavar="'K=V,...'")
     mooncake_protocol: str = setting("tcp", "Mooncake: the transfer protocol", choices=MOONCAKE_PROTOCOLS)
+
+    def __post_init__(self) -> None:
+        if self.ucx_config is not None:
+            # The rule lives with the library that applies it; imported here only when there is something to
+            # check, so that `import settings` stays free of transport packages.
+            from kvtransfer.errors import InvalidRequestError
+            from kvtransfer.ucx_config import parse_ucx_config
+
+            try:
+                parse_ucx_config(self.ucx_config)
+            except InvalidRequestError as e:
+                raise ConfigError(f"ucx_config (--ucx-config, TANDEM_UCX_CONFIG): {e}") from None
 
     def connector_options(self, backend: str) -> dict[str, Any]:
         """The keyword options `kvtransfer.make_connector(backend, ...)` takes for these settings."""
         if backend == "nixl":
-            return {"ucx_devices": self.ucx_devices} if self.ucx_devices else {}
+            options = {"ucx_devices": self.ucx_devices} if self.ucx_devices else {}
+            if self.ucx_config is not None:
+                options["ucx_config"] = self.ucx_config
+            return options
         if backend == "mooncake":
             return {"protocol": self.mooncake_protocol}
         return {}

@@ -206,6 +206,30 @@ def test_a_bad_transport_environment_is_refused() -> None:
         serve_config("--transport-env", "UCX_TLS")
 
 
+def test_ucx_settings_reach_every_node_and_its_nixl_connector() -> None:
+    ucx = "CUDA_IPC_ENABLE_GET_ZCOPY=y,PROTO_EMULATION_ENABLE=n"
+    config = serve_config("--ucx-config", ucx)
+    launch = NodeLaunch(model="/m", registry_url="redis://r", cluster=config.node_settings(on_one_machine=True))
+    node = node_args(*node_command(launch, "decode", "d-0", "127.0.0.1", 1)[3:])
+    assert node.ucx_config == ucx
+    assert node.cluster.transport.connector_options("nixl") == {"ucx_devices": "lo", "ucx_config": ucx}
+    assert node.cluster.transport.connector_options("mooncake") == {"protocol": "tcp"}
+    assert "ucx_config" not in serve_config().cluster.transport.connector_options("nixl")
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("TLS=cuda_ipc,cuda_copy", "a value cannot hold one .*--transport-env"),
+    ("tls=tcp", "'tls' is not a UCX setting name"),
+])
+def test_malformed_ucx_settings_are_refused_wherever_they_come_from(value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=f"ucx_config .*{message}"):
+        serve_config("--ucx-config", value)
+    with pytest.raises(ConfigError, match=message):
+        serve_config(env={"TANDEM_UCX_CONFIG": value})
+    with pytest.raises(SystemExit):  # a node refuses it as a usage error
+        node_args("--ucx-config", value)
+
+
 def test_settings_flatten_and_build_round_trip() -> None:
     config = serve_config(*CHOSEN, "--decode-nodes", "3")
     assert resolve(ServeConfig, flatten(config), {}, TREE_KEYS) == config
