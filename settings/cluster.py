@@ -18,7 +18,8 @@ from engine.config import DTYPES, EngineConfig
 from settings.spec import group, setting
 
 KV_BACKENDS = ("nixl", "mooncake")
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+# kvtransfer.mooncake.PROTOCOLS: nvlink_intra is CUDA IPC between the GPUs of one machine (a CUDA build of Mooncake)
+MOONCAKE_PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
@@ -38,7 +39,9 @@ class TransportSettings:
     ucx_devices: str | None = setting(
         None, "NIXL: the network devices UCX may use, e.g. 'mlx5_0:1,mlx5_1:1' or 'lo' (default: UCX picks all; "
               "'lo' for a single-machine tandem serve)", metavar="DEVICES")
-    mooncake_protocol: str = setting("tcp", "Mooncake: the transfer protocol", choices=MOONCAKE_PROTOCOLS)
+    mooncake_protocol: str = setting(
+        "tcp", "Mooncake: the transfer protocol (nvlink_intra: CUDA IPC between GPUs of one machine; its nodes start "
+               "with MC_INTRANODE_NVLINK=1)", choices=MOONCAKE_PROTOCOLS)
 
     def connector_options(self, backend: str) -> dict[str, Any]:
         """The keyword options `kvtransfer.make_connector(backend, ...)` takes for these settings."""
@@ -46,6 +49,14 @@ class TransportSettings:
             return {"ucx_devices": self.ucx_devices} if self.ucx_devices else {}
         if backend == "mooncake":
             return {"protocol": self.mooncake_protocol}
+        return {}
+
+    def launch_environment(self, backend: str) -> dict[str, str]:
+        """What these settings need in the environment a node process starts with, for libraries that read it
+        there only: Mooncake installs its nvlink_intra transport only when MC_INTRANODE_NVLINK is present (any
+        value, "0" too, so a launcher that does not want it leaves it out)."""
+        if backend == "mooncake" and self.mooncake_protocol == "nvlink_intra":
+            return {"MC_INTRANODE_NVLINK": "1"}
         return {}
 
 
