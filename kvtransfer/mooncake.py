@@ -25,9 +25,11 @@ buffers). So protocol "nvlink_intra" is a request the launcher must back with MC
 host memory, so a host buffer that registers means it does not) and fails with a clear error otherwise. Under
 nvlink_intra every registered buffer must be GPU memory, so a notification's scratch buffer is then a small CUDA
 tensor on the region's device, and each peer's worker thread binds that device first (the library's CUDA calls use
-the calling thread's current device). The engine syncs with the calling thread's per-thread default stream only:
-whoever wrote the KV must have synchronised its own stream before a peer reads it. Peers must run the same protocol
-(their endpoint records say which); nvlink_intra peers must share the machine.
+the calling thread's current device). nvlink_intra orders its copies after the calling thread's per-thread default
+stream only: whoever wrote the KV must have synchronised its own stream before a peer reads it (a node publishes
+a ticket after sampling, which syncs). It shares whole cudaMalloc allocations (cuMemGetAddressRange), so a pool
+inside a larger allocation works, but not expandable-segment (virtual memory) allocations. Peers must run the same
+protocol (their endpoint records say which); nvlink_intra peers must share the machine.
 
 Everything is validated before it reaches the library: bad input can abort the process instead of raising.
 Caveats: the engine listens on all interfaces whatever `host` says (0.3.13 has no bind setting for its RPC and

@@ -14,6 +14,7 @@ as surely as a missing one. Run with `-s` to see the GB/s lines.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import multiprocessing
 import os
@@ -127,8 +128,13 @@ class GpuPeer:
             raise RemoteError(*value)
         return value
 
-    def initial_blocks(self) -> np.ndarray:
+    @functools.cached_property
+    def pattern(self) -> np.ndarray:
+        """The pool's initial bytes, computed here from the seed (the oracle), not read back from the peer."""
         return block_pattern(self.seed, NUM_BLOCKS, BLOCK_BYTES)
+
+    def initial_blocks(self) -> np.ndarray:
+        return self.pattern
 
     def stop(self) -> None:
         if self.process.is_alive():
