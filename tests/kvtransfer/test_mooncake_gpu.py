@@ -52,9 +52,15 @@ def serve(conn: Connection, protocol: str, env: dict[str, str], seed: int, offse
     backing = torch.zeros((offset_blocks + NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="cuda:0")
     kv = backing[offset_blocks:]
     kv.copy_(torch.from_numpy(block_pattern(seed, NUM_BLOCKS, BLOCK_BYTES)))
-    torch.cuda.synchronize()  # Mooncake syncs with its own thread's stream only: the pool must be written first
-    connector = make_connector("mooncake", layout=KVLayout(**DEFAULT_LAYOUT), protocol=protocol, read_timeout_s=30.0)
-    conn.send(("ok", (connector.register(KVRegion.from_buffer(kv)), connector.agent_name)))
+    torch.cuda.synchronize()  # Mooncake's copies are not ordered after torch's stream: write the pool first
+    try:
+        connector = make_connector("mooncake", layout=KVLayout(**DEFAULT_LAYOUT), protocol=protocol,
+                                   read_timeout_s=30.0)
+        metadata = connector.register(KVRegion.from_buffer(kv))
+    except Exception as e:  # the test shows why the peer could not start
+        conn.send(("error", (type(e).__name__, str(e), isinstance(e, TransferError))))
+        return
+    conn.send(("ok", (metadata, connector.agent_name)))
     inbox: list[tuple[str, bytes]] = []
 
     def read(peer: str, remote_ids: list[int], local_ids: list[int]) -> dict[str, Any]:
