@@ -18,7 +18,8 @@ from engine.config import DTYPES, EngineConfig
 from settings.spec import ConfigError, group, setting
 
 KV_BACKENDS = ("nixl", "mooncake", "ipc")  # ipc: nodes on one host only (process_vm_readv, CUDA IPC)
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+# kvtransfer.mooncake.PROTOCOLS: nvlink_intra is CUDA IPC between the GPUs of one machine (a CUDA build of Mooncake)
+MOONCAKE_PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
@@ -44,7 +45,9 @@ class TransportSettings:
               "CUDA_IPC_ENABLE_GET_ZCOPY=y for a KV pool on a GPU (GPU-to-GPU reads crawl over TCP without it where "
               "NVLink is not reported) and nothing for one in host memory. A value cannot hold a comma: list "
               "values such as UCX_TLS=a,b go in the nodes' environment (--transport-env)", metavar="'K=V,...'")
-    mooncake_protocol: str = setting("tcp", "Mooncake: the transfer protocol", choices=MOONCAKE_PROTOCOLS)
+    mooncake_protocol: str = setting(
+        "tcp", "Mooncake: the transfer protocol (nvlink_intra: CUDA IPC between GPUs of one machine; its nodes start "
+               "with MC_INTRANODE_NVLINK=1)", choices=MOONCAKE_PROTOCOLS)
 
     def __post_init__(self) -> None:
         if self.ucx_config is not None:
@@ -67,6 +70,14 @@ class TransportSettings:
             return options
         if backend == "mooncake":
             return {"protocol": self.mooncake_protocol}
+        return {}
+
+    def launch_environment(self, backend: str) -> dict[str, str]:
+        """What these settings need in the environment a node process starts with, for libraries that read it
+        there only: Mooncake installs its nvlink_intra transport only when MC_INTRANODE_NVLINK is present (any
+        value, "0" too, so a launcher that does not want it leaves it out)."""
+        if backend == "mooncake" and self.mooncake_protocol == "nvlink_intra":
+            return {"MC_INTRANODE_NVLINK": "1"}
         return {}
 
 

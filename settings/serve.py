@@ -59,11 +59,13 @@ class ServeConfig:
         return dataclasses.replace(self.cluster, transport=single_machine(self.cluster.transport))
 
     def node_environment(self, on_one_machine: bool) -> dict[str, str]:
-        """The transport variables node processes start with (--transport-env, else the single-machine default)."""
+        """The transport variables node processes start with: those the transport settings imply (Mooncake's
+        nvlink_intra), then --transport-env (else the single-machine default), which wins."""
         text = self.transport_env
         if text is None:
             text = LOOPBACK_TRANSPORT_ENV if on_one_machine else ""
-        return parse_env_assignments(text)
+        implied = self.cluster.transport.launch_environment(self.cluster.kv_backend)
+        return {**implied, **parse_env_assignments(text)}
 
 
 def parse_env_assignments(text: str, where: str = "--transport-env") -> dict[str, str]:

@@ -230,6 +230,26 @@ def test_malformed_ucx_settings_are_refused_wherever_they_come_from(value: str, 
         node_args("--ucx-config", value)
 
 
+def test_mooncake_nvlink_intra_nodes_start_with_the_variable_that_installs_it() -> None:
+    # Mooncake reads MC_INTRANODE_NVLINK from the environment only, and any value (even "0") turns it on
+    intra = serve_config("--kv-backend", "mooncake", "--mooncake-protocol", "nvlink_intra")
+    assert intra.node_environment(on_one_machine=True) == {"MC_INTRANODE_NVLINK": "1", "UCX_MODULES": "^ib"}
+    assert intra.node_environment(on_one_machine=False) == {"MC_INTRANODE_NVLINK": "1"}
+    assert node_args(*to_args(intra.cluster)).mooncake_protocol == "nvlink_intra"
+    for other in (serve_config("--kv-backend", "mooncake"), serve_config("--mooncake-protocol", "nvlink_intra")):
+        assert "MC_INTRANODE_NVLINK" not in other.node_environment(on_one_machine=True)  # tcp, or NIXL's nodes
+    chosen = serve_config("--kv-backend", "mooncake", "--mooncake-protocol", "nvlink_intra", "--transport-env",
+                          "MC_INTRANODE_NVLINK=yes MC_TRANSFER_TIMEOUT=60")
+    assert chosen.node_environment(on_one_machine=False) == {"MC_INTRANODE_NVLINK": "yes", "MC_TRANSFER_TIMEOUT": "60"}
+
+
+def test_the_mooncake_protocol_choices_are_the_connectors() -> None:
+    from kvtransfer.mooncake import PROTOCOLS
+    from settings.cluster import MOONCAKE_PROTOCOLS
+
+    assert MOONCAKE_PROTOCOLS == PROTOCOLS
+
+
 def test_settings_flatten_and_build_round_trip() -> None:
     config = serve_config(*CHOSEN, "--decode-nodes", "3")
     assert resolve(ServeConfig, flatten(config), {}, TREE_KEYS) == config
