@@ -58,7 +58,7 @@ def _measure(model: LlamaForCausalLM, backend: AttentionBackend, model_cfg: Mode
     before = torch.cuda.memory_allocated(device)
     run_dummy_step(model, backend, model_cfg, block_size, dtype, device, seq_lens, num_sampled)
     torch.cuda.synchronize(device)
-    # the temporary pool is part of the peak: a step's reserve is measured with it, which the real pool replaces
+    # the temporary pool was allocated within the measured span: the real pool has a budget of its own
     peak = torch.cuda.max_memory_allocated(device) - before - _pool_bytes(model_cfg, seq_lens, block_size, dtype)
     torch.cuda.empty_cache()
     return max(0, peak)
@@ -83,7 +83,7 @@ def run_dummy_step(model: LlamaForCausalLM, backend: AttentionBackend, model_cfg
     positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
     hidden = model(input_ids, positions, kv_caches, meta, backend)
     logits = model.compute_logits(hidden[torch.arange(num_sampled, device=device)])
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=min(50, model_cfg.vocab_size), max_tokens=1)
     rows = [SamplingRow(params=params, seed=noise_seed(0, i), prompt_token_ids=[], output_token_ids=[])
             for i in range(num_sampled)]
     return [token.token_id for token in Sampler()(logits, rows)]

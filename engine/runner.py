@@ -47,6 +47,8 @@ def make_attention_backend(name: str) -> AttentionBackend:
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches its kernels on the current device
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size

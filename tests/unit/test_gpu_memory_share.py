@@ -142,3 +142,14 @@ def test_the_kv_pool_follows_the_fraction(wide_kv_model: Path, engines: list[Eng
     total, block_bytes = sizes[0.4]["total"], sizes[0.4]["block_bytes"]
     # same model, same activations: the difference is exactly the difference of the shares, to a block
     assert abs(sizes[0.4]["kv_bytes"] - sizes[0.2]["kv_bytes"] - 0.2 * total) <= block_bytes + 16 * MiB
+
+
+def test_a_fixed_pool_bigger_than_the_free_memory_is_refused_before_allocating(wide_kv_model: Path) -> None:
+    from engine import LLM
+    from engine.device import GpuMemoryError
+
+    free, total = torch.cuda.mem_get_info()
+    block_bytes = 2 * 2 * 16 * 8 * 128 * 4  # layers, k/v, block size, KV heads, head dim, float32
+    with pytest.raises(GpuMemoryError, match=r"the GPU has .* GiB free, but a KV cache of \d+ blocks needs"):
+        LLM(model=str(wide_kv_model), dtype="float32", num_kv_blocks=2 * total // block_bytes, enforce_eager=True)
+    assert torch.cuda.mem_get_info()[0] >= free - 512 * MiB  # nothing big was allocated
