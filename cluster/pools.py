@@ -28,7 +28,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,29 +68,42 @@ class NodeLaunch:
     environment: Mapping[str, str] = field(default_factory=dict)  # transport variables the processes start with
     tp: int = 1
     cpus_per_node: float = 0.5
-    use_gpus: bool = False
+    gpus_per_rank: float = 0.0  # 0: the nodes run on CPU; a fraction: nodes share a GPU (Ray packs them)
+    gpu_memory_utilization: float | None = None  # what each node on a GPU takes of its memory (None: its default)
     bind_loopback: bool = True  # a single-machine cluster: nodes listen on 127.0.0.1 only
     extra_args: tuple[str, ...] = ()
     log_dir: str | None = None
 
 
-def placement_bundles(tp: int, use_gpus: bool, cpus_per_node: float) -> list[dict[str, float]]:
-    """One bundle per tensor-parallel rank: a GPU each on GPU machines, a share of the node's CPUs otherwise."""
-    if use_gpus:
-        return [{"GPU": 1.0} for _ in range(tp)]
-    return [{"CPU": cpus_per_node / tp} for _ in range(tp)]
+def placement_bundles(tp: int, gpus_per_rank: float, cpus_per_node: float) -> list[dict[str, float]]:
+    """One bundle per tensor-parallel rank, each with a share of the node's CPUs and, on GPU machines, its GPU (or
+    a fraction of one: Ray packs fractional bundles onto one GPU until it is full)."""
+    cpus = {"CPU": cpus_per_node / tp}
+    return [{**cpus, "GPU": gpus_per_rank} if gpus_per_rank > 0 else cpus for _ in range(tp)]
 
 
 def node_command(launch: NodeLaunch, role: str, node_id: str, host: str, port: int) -> list[str]:
     return [sys.executable, "-m", f"{role}_node", "--model", launch.model, *to_args(launch.cluster),
             "--host", host, "--port", str(port), "--node-id", node_id, "--registry", launch.registry_url,
-            *launch.extra_args]
+            *device_args(launch), *launch.extra_args]
 
 
-def node_environment(launch: NodeLaunch) -> dict[str, str]:
+def device_args(launch: NodeLaunch) -> list[str]:
+    """A node placed with a GPU runs on it (Ray shows it the GPU alone: it is its cuda); a node placed without one
+    runs on CPU even on a GPU machine, never on a GPU another node was given."""
+    if launch.gpus_per_rank <= 0:
+        return ["--device", "cpu"]
+    share = [] if launch.gpu_memory_utilization is None else [
+        "--gpu-memory-utilization", str(launch.gpu_memory_utilization)]
+    return ["--device", "cuda", *share]
+
+
+def node_environment(launch: NodeLaunch, gpu_ids: Sequence[int | str] = ()) -> dict[str, str]:
     """The node process's environment: the actor's, plus the transport variables the launch names (nothing
-    forced: UCX on a real cluster keeps its InfiniBand modules)."""
-    return child_environment(launch.environment)
+    forced: UCX on a real cluster keeps its InfiniBand modules), and the GPUs Ray gave the node's actor, named
+    here rather than left to whether Ray exported them in the actor's own environment."""
+    gpus = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_ids)} if gpu_ids else {}
+    return child_environment({**launch.environment, **gpus})
 
 
 class NodeProcess:
@@ -117,9 +130,13 @@ class NodeProcess:
         with self.log_path.open("wb") as log:
             self.popen = subprocess.Popen(node_command(self.launch, self.role, self.node_id, host, port),
                                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=node_environment(self.launch), start_new_session=True,
+                                          env=self.environment(), start_new_session=True,
                                           preexec_fn=die_with_parent)
         return f"{host}:{port}"
+
+    def environment(self) -> dict[str, str]:
+        """The node process's environment, with the GPUs Ray gave this actor (none on CPU placements)."""
+        return node_environment(self.launch, ray.get_gpu_ids() if self.launch.gpus_per_rank > 0 else ())
 
     def state(self) -> tuple[str, int | None]:
         """("starting" | "ready" | "exited", exit code)."""
@@ -216,7 +233,8 @@ class PoolManager:
         room = self.room()
         if self.launch.bind_loopback and room is not None and total > room:
             raise ValueError(f"{total} nodes do not fit on this machine: it has room for {room} "
-                             f"({self._per_node()} each); ask for fewer, or start with a smaller --node-cpus")
+                             f"({self._per_node()} each); ask for fewer, or start with a smaller "
+                             f"{'--node-gpus' if self.launch.gpus_per_rank > 0 else '--node-cpus'}")
         self.desired.update(sizes)
         logger.info("desired pool sizes: %s", self.desired)
 
@@ -225,14 +243,15 @@ class PoolManager:
         resources = self._resources()
         if not resources:
             return None
-        bundles = placement_bundles(self.launch.tp, self.launch.use_gpus, self.launch.cpus_per_node)
+        bundles = placement_bundles(self.launch.tp, self.launch.gpus_per_rank, self.launch.cpus_per_node)
         need = {name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")}
         return min(int(resources.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0)
 
     def _per_node(self) -> str:
-        if self.launch.use_gpus:
-            return f"{self.launch.tp} GPU"
-        return f"{self.launch.cpus_per_node:g} CPU"
+        cpus = f"{self.launch.cpus_per_node:g} CPU"
+        if self.launch.gpus_per_rank > 0:
+            return f"{self.launch.tp * self.launch.gpus_per_rank:g} GPU and {cpus}"
+        return cpus
 
     def status(self) -> dict[str, PoolStatus]:
         def count(role: str, state: NodeState) -> int:
@@ -279,14 +298,7 @@ class PoolManager:
     async def _start(self, node: Node) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         try:
-            bundles = placement_bundles(self.launch.tp, self.launch.use_gpus, self.launch.cpus_per_node)
-            node.placement = placement_group(bundles, strategy="STRICT_PACK", name=f"tandem-{node.node_id}")
-            await _ray_wait(node.placement.ready(), deadline - time.monotonic(),
-                            f"no room to place {node.node_id} ({bundles}): not enough free resources")
-            node.actor = self._actor_class.options(
-                num_cpus=bundles[0].get("CPU", 0.0), num_gpus=bundles[0].get("GPU", 0.0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(node.placement, placement_group_bundle_index=0),
-            ).remote(self.launch, node.role, node.node_id)
+            await self.place(node, deadline - time.monotonic())
             node.address = await _ray_wait(node.actor.start.remote(), deadline - time.monotonic(),
                                            f"the actor of {node.node_id} did not start")
             while True:
@@ -312,6 +324,18 @@ class PoolManager:
         finally:
             if node.state is not NodeState.DRAINING:
                 node.task = None
+
+    async def place(self, node: Node, timeout_s: float) -> None:
+        """Reserves the node's placement group and creates its actor in it (the process is not started yet).
+        The actor asks for its bundle's GPU share, so Ray shows it the GPU it reserved."""
+        bundles = placement_bundles(self.launch.tp, self.launch.gpus_per_rank, self.launch.cpus_per_node)
+        node.placement = placement_group(bundles, strategy="STRICT_PACK", name=f"tandem-{node.node_id}")
+        await _ray_wait(node.placement.ready(), timeout_s,
+                        f"no room to place {node.node_id} ({bundles}): not enough free resources")
+        node.actor = self._actor_class.options(
+            num_cpus=bundles[0]["CPU"], num_gpus=bundles[0].get("GPU", 0.0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(node.placement, placement_group_bundle_index=0),
+        ).remote(self.launch, node.role, node.node_id)
 
     async def _registered(self, node: Node) -> bool:
         try:

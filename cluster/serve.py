@@ -111,12 +111,14 @@ def serve(config: ServeConfig) -> None:
             raise ServeError(f"cannot start or join Ray at {config.ray_address!r}: {e}") from None
         # the cluster-wide settings go to every node as flags (and the hashing ones to the proxy); a cluster on
         # one machine takes the loopback transport unless the user chose one
+        # on machines with GPUs each node gets its GPU (or its share of one) from Ray; elsewhere it runs on CPU
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         launch = NodeLaunch(model=str(model.resolve()), registry_url=registry_url,
                             cluster=config.node_settings(on_one_machine=local),
                             environment=config.node_environment(on_one_machine=local), tp=config.tp,
-                            cpus_per_node=config.node_cpus, use_gpus=ray.cluster_resources().get("GPU", 0) > 0,
-                            bind_loopback=local, extra_args=tuple(shlex.split(config.node_args)),
-                            log_dir=str(log_dir))
+                            cpus_per_node=config.node_cpus, gpus_per_rank=config.node_gpus if has_gpus else 0.0,
+                            gpu_memory_utilization=config.node_gpu_memory_utilization(), bind_loopback=local,
+                            extra_args=tuple(shlex.split(config.node_args)), log_dir=str(log_dir))
         pools = PoolManager(launch, {"prefill": 0, "decode": 0}, startup_timeout_s=config.startup_timeout)
         try:
             pools.scale({"prefill": config.prefill_nodes, "decode": config.decode_nodes})

@@ -9,9 +9,8 @@ from decode_node.clients import PrefillLeaseClient
 from decode_node.loop import DecodeLoop
 from decode_node.service import DecodeService
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
 from node_common.kv import kv_layout, open_connector
-from node_common.options import add_node_args, engine_config, node_id, parse_node_args
+from node_common.options import add_node_args, load_engine, node_id, parse_node_args
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from protos import tandem_pb2_grpc
@@ -24,7 +23,7 @@ def main() -> None:
     args = parse_node_args(parser)
     setup_logging(args.log_level)
     name = node_id(args, "decode")
-    engine = LLMEngine(engine_config(args))
+    engine = load_engine(args, "decode")
     connector, region, _ = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
     async_engine = AsyncEngine(engine)
     async_engine.add_ticker(lambda _: connector.progress())

@@ -4,6 +4,7 @@ directory's config.json, or a GGUF file's metadata (engine/gguf_config.py)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# auto: CUDA when there is one, else CPU. Whether the device exists is checked when the engine starts
+# (engine/device.py), so a config can be written on a machine without it.
+DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
 
 class ModelConfigError(ValueError):
@@ -172,6 +177,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None  # budget when num_kv_blocks is None
+    # vLLM's meaning: the fraction of the GPU's total memory this engine may use (weights, activations, KV
+    # cache), so engines can share a GPU (engine/device.py). Ignored on CPU.
+    gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
@@ -197,3 +205,10 @@ class EngineConfig:
         check(self.max_num_seqs > 0, "max_num_seqs must be positive")
         check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks must be positive")
         check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              "kv_cache_memory_bytes must be positive")
+        check(isinstance(self.gpu_memory_utilization, int | float) and not isinstance(self.gpu_memory_utilization, bool)
+              and 0.0 < self.gpu_memory_utilization <= 1.0,
+              f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(isinstance(self.device, str) and DEVICE_FORM.match(self.device) is not None,
+              f"device must be {DEVICE_CHOICES}, got {self.device!r}")

@@ -10,8 +10,10 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.device import GpuMemoryError, check_free_memory, gib, plan_gpu_memory, resolve_device
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.model.loader import build_model
+from engine.profile_run import allocate_kv_pool, profile_step_bytes
 from engine.sampler import SampledToken, Sampler, SamplingRow, noise_seed
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -19,12 +21,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_BUDGET_BYTES = 2 << 30
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
@@ -51,6 +47,8 @@ def make_attention_backend(name: str) -> AttentionBackend:
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches its kernels on the current device
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.model_cfg = model_cfg
         self.block_size = cfg.block_size
@@ -62,22 +60,23 @@ class ModelRunner:
         self.model = build_model(model_cfg, self.dtype, self.device, max_model_len, cfg.load_format, cfg.seed,
                                  fused_kernels=fused)
         self.backend = make_attention_backend(backend_name)
-        self.num_blocks = cfg.num_kv_blocks or self._default_num_blocks(cfg, max_model_len)
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        graph_batch = min(cfg.max_graph_batch_size, cfg.max_num_seqs) if use_graphs else 0
+        self.num_blocks = cfg.num_kv_blocks or self._default_num_blocks(cfg, max_model_len, graph_batch)
         # With CUDA graphs, one more block past the pool: the padding rows of a graph store their K/V there.
         # The block pool never hands it out, and it is not part of `kv_cache` (what transfers register).
         num_allocated = self.num_blocks + 1 if use_graphs else self.num_blocks
-        # [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]: see layers/attention.py
-        storage = torch.zeros(
-            (num_allocated, model_cfg.num_layers, 2, self.block_size, model_cfg.num_kv_heads,
-             model_cfg.head_dim), dtype=self.dtype, device=self.device)
+        if self.device.type == "cuda" and (cfg.num_kv_blocks or cfg.kv_cache_memory_bytes):
+            # a size the user fixed: not planned against the GPU's memory, but never allocated into an OOM
+            check_free_memory(torch.cuda.mem_get_info(self.device)[0], num_allocated * self.block_bytes,
+                              f"a KV cache of {self.num_blocks} blocks")
+        storage, self.kv_caches = allocate_kv_pool(model_cfg, num_allocated, self.block_size, self.dtype,
+                                                   self.device)
         self.kv_cache = storage[:self.num_blocks]
-        self.kv_caches = [(storage[:, i, 0], storage[:, i, 1]) for i in range(model_cfg.num_layers)]
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
-                                       min(cfg.max_graph_batch_size, cfg.max_num_seqs),
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, graph_batch,
                                        -(-max_model_len // self.block_size), self.sliding_window,
                                        padding_slot=self.num_blocks * self.block_size)
         logger.info("model %s on %s in %s, %d KV blocks of %d tokens", model_cfg.architecture, self.device,
@@ -88,17 +87,35 @@ class ModelRunner:
         c = self.model_cfg
         return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
 
-    def _default_num_blocks(self, cfg: EngineConfig, max_model_len: int) -> int:
+    def _default_num_blocks(self, cfg: EngineConfig, max_model_len: int, graph_batch: int) -> int:
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.85)
+            budget = self._gpu_kv_budget(cfg, max_model_len, graph_batch)
         else:
-            budget = _CPU_KV_BUDGET_BYTES
+            budget = _CPU_KV_BUDGET_BYTES  # gpu_memory_utilization is a GPU's: a host has no such share
         # never more than every seat filled to the context limit
         wanted = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
         return max(1, min(wanted, budget // self.block_bytes))
+
+    def _gpu_kv_budget(self, cfg: EngineConfig, max_model_len: int, graph_batch: int) -> int:
+        """gpu_memory_utilization's share of the GPU, less the model and the profiled activations
+        (engine/device.py)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the loader's temporaries are not the model's
+        model_bytes = torch.cuda.memory_reserved(self.device)
+        activation_bytes = profile_step_bytes(self.model, self.backend, self.model_cfg, self.block_size, self.dtype,
+                                              self.device, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                              max_model_len, graph_batch)
+        free, total = torch.cuda.mem_get_info(self.device)
+        plan = plan_gpu_memory(total, cfg.gpu_memory_utilization, model_bytes, activation_bytes, free)
+        if plan.kv_cache < self.block_bytes:
+            raise GpuMemoryError(f"gpu_memory_utilization={cfg.gpu_memory_utilization:g} leaves {gib(plan.kv_cache)}"
+                                 f" for the KV cache, less than one block ({gib(self.block_bytes)}): raise it")
+        logger.info("GPU memory: %s of %s (gpu_memory_utilization=%g): model %s, activations %s, KV cache %s",
+                    gib(plan.allowed), gib(total), cfg.gpu_memory_utilization, gib(model_bytes),
+                    gib(activation_bytes), gib(plan.kv_cache))
+        return plan.kv_cache
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:

@@ -9,17 +9,25 @@ their one declaration (`settings.cluster.ClusterSettings`), read as everywhere: 
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
+from typing import TYPE_CHECKING
 
-from engine.config import ATTENTION_BACKENDS, EngineConfig
+from engine.config import ATTENTION_BACKENDS, DEVICE_CHOICES, LOAD_FORMATS, EngineConfig
 from node_common.registrar import add_registry_args
 from settings import ClusterSettings, add_arguments, parse_args_with
 from settings import env as environment
 from settings.cluster import ENGINE_DEFAULTS
 
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--model", required=True,
+                        help="Hugging Face model directory, a .gguf file, or a directory holding one")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (gRPC and KV transfer)")
     parser.add_argument("--port", type=int, required=True, help="gRPC port")
     parser.add_argument("--node-id", default=None, help="defaults to <role>-<hostname>-<port>")
@@ -32,6 +40,17 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", default=not engine["enable_prefix_caching"])
     parser.add_argument("--attention-backend", default=engine["attention_backend"], choices=ATTENTION_BACKENDS)
     parser.add_argument("--seed", type=int, default=engine["seed"])
+    parser.add_argument("--device", default=engine["device"], metavar="DEVICE",
+                        help=f"{DEVICE_CHOICES} (auto: the GPU when there is one; under tandem serve Ray gives "
+                             "each node its GPU, which it sees as cuda)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=engine["gpu_memory_utilization"],
+                        metavar="F", help="the fraction of the GPU's total memory this node may use (weights, "
+                        "activations, KV cache), as vLLM's: give nodes sharing a GPU their parts, e.g. 0.45 each "
+                        "for two. Ignored on CPU")
+    parser.add_argument("--load-format", default=engine["load_format"], choices=LOAD_FORMATS,
+                        help="dummy: random weights of the shapes the model's config.json gives (no weights files)")
+    parser.add_argument("--enforce-eager", action="store_true", default=engine["enforce_eager"],
+                        help="no CUDA graphs for decode steps")
     parser.add_argument("--log-level", default=environment.log_level())
     add_registry_args(parser)
 
@@ -50,7 +69,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=cluster.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=cluster.hashing.block_size,
         enable_prefix_caching=not args.no_prefix_caching, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True)
+        attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True,
+        device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
+        enforce_eager=args.enforce_eager)
+
+
+def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
+    """The node's engine. What the machine cannot run (a bad flag value, a model it cannot read, a device it does
+    not have, too little GPU memory) ends the process with the reason on one line, not a traceback."""
+    from engine.device import GpuMemoryError  # torch: only in the node process
+    from engine.llm_engine import LLMEngine
+
+    try:
+        return LLMEngine(engine_config(args))
+    except (ValueError, GpuMemoryError) as e:  # ModelConfigError and DeviceError are ValueErrors
+        logger.debug("the engine did not start", exc_info=True)
+        raise SystemExit(f"{role} node: cannot start the engine: {e}") from None
 
 
 def node_id(args: argparse.Namespace, role: str) -> str:

@@ -7,9 +7,9 @@ import argparse
 import logging
 
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine, PinnedBlocks
+from engine.llm_engine import PinnedBlocks
 from node_common.kv import block_checksums, kv_layout, open_connector
-from node_common.options import add_node_args, engine_config, node_id, parse_node_args
+from node_common.options import add_node_args, load_engine, node_id, parse_node_args
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from prefill_node.loop import PrefillLoop
@@ -28,7 +28,7 @@ def main() -> None:
     args = parse_node_args(parser)
     setup_logging(args.log_level)
     name = node_id(args, "prefill")
-    engine = LLMEngine(engine_config(args))
+    engine = load_engine(args, "prefill")
     layout_hash = kv_layout(engine).layout_hash
     connector, region, metadata = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
     address = advertised_address(args)  # what the registry holds, and what decode nodes call for lease RPCs

@@ -8,10 +8,14 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from settings.cluster import LOOPBACK_TRANSPORT_ENV, ClusterSettings, single_machine
+from settings.cluster import ENGINE_DEFAULTS, LOOPBACK_TRANSPORT_ENV, ClusterSettings, single_machine
 from settings.spec import ConfigError, group, setting, settings_of
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+NODE_GPU_MEMORY_UTILIZATION = ENGINE_DEFAULTS["gpu_memory_utilization"]
+# node flags tandem serve sets itself for each node (from --node-gpus and --gpu-memory-utilization)
+_SERVE_NODE_FLAGS = {"--device": "--node-gpus (Ray gives each node its GPU; 0 runs nodes on CPU)",
+                     "--gpu-memory-utilization": "--gpu-memory-utilization"}
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,14 @@ class ServeConfig:
     registry: str | None = setting(None, "redis:// URL of the node registry (default: a redis-server started here)",
                                    metavar="URL")
     admin_port: int = setting(0, "port of the admin API on 127.0.0.1 (0: any free port)", minimum=0, metavar="PORT")
-    node_cpus: float = setting(0.5, "CPUs reserved per node in its placement group (CPU machines)", minimum=0.01,
-                               metavar="CPUS")
+    node_cpus: float = setting(0.5, "CPUs reserved per node in its placement group", minimum=0.01, metavar="CPUS")
+    node_gpus: float = setting(
+        1.0, "on machines with GPUs, the GPUs each node takes per tensor-parallel rank: Ray places it and the node "
+             "sees its GPU as cuda. A fraction shares a GPU (0.5: two nodes on each); 0 runs the nodes on CPU. "
+             "Ignored on machines without GPUs", minimum=0.0, metavar="GPUS")
+    gpu_memory_utilization: float | None = setting(
+        None, "the fraction of its GPU's memory each node may use, as vLLM's (default: 0.9, or 0.9 x --node-gpus "
+              "for nodes sharing a GPU, e.g. 0.45 for 0.5). Ignored on CPU", minimum=0.01, metavar="F")
     node_args: str = setting("", "extra flags for every node process, e.g. '--num-kv-blocks 512' (cluster-wide "
                                  "settings such as --block-size are tandem serve's own flags)", metavar="FLAGS")
     proxy_args: str = setting("", "extra flags for the proxy, e.g. '--routing round_robin'", metavar="FLAGS")
@@ -51,6 +61,24 @@ class ServeConfig:
             _refuse_cluster_flags(getattr(self, name), f"--{name.replace('_', '-')}")
         if self.transport_env is not None:
             parse_env_assignments(self.transport_env)
+        if self.node_gpus > 1 and not self.node_gpus.is_integer():
+            raise ConfigError(f"--node-gpus: a node takes a share of one GPU or whole GPUs, not {self.node_gpus:g}")
+        if self.gpu_memory_utilization is not None:
+            if self.gpu_memory_utilization > 1:
+                raise ConfigError(f"--gpu-memory-utilization: a fraction of the GPU's memory, at most 1, got "
+                                  f"{self.gpu_memory_utilization:g}")
+            if 0 < self.node_gpus < 1 and self.gpu_memory_utilization > self.node_gpus:
+                raise ConfigError(
+                    f"--gpu-memory-utilization {self.gpu_memory_utilization:g} is more than a node's share of its "
+                    f"GPU (--node-gpus {self.node_gpus:g}): nodes sharing a GPU would run it out of memory")
+
+    def node_gpu_memory_utilization(self) -> float | None:
+        """What each node on a GPU is told to take of it (None: the node's own default, 0.9)."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        if 0 < self.node_gpus < 1:
+            return round(NODE_GPU_MEMORY_UTILIZATION * self.node_gpus, 4)
+        return None
 
     def node_settings(self, on_one_machine: bool) -> ClusterSettings:
         """What every node is started with; a cluster on one machine takes the loopback transport by default."""
@@ -81,7 +109,8 @@ def parse_env_assignments(text: str, where: str = "--transport-env") -> dict[str
 
 def _refuse_cluster_flags(extra_args: str, where: str) -> None:
     """A cluster-wide setting passed as an extra flag would reach one kind of process only (nodes hashing with one
-    block size, the proxy with another): it must be tandem serve's own setting, handed to all."""
+    block size, the proxy with another): it must be tandem serve's own setting, handed to all. Likewise a node's
+    device and GPU memory share, which tandem serve sets from the placement it gives the node."""
     cluster_flags = {s.flag: s for s in settings_of(ClusterSettings)}
     try:
         tokens = shlex.split(extra_args)
@@ -93,3 +122,6 @@ def _refuse_cluster_flags(extra_args: str, where: str) -> None:
             raise ConfigError(f"{where}: {flag} is a cluster-wide setting: give it to tandem serve itself "
                               f"({flag}, {cluster_flags[flag].env_var} or the config file), which hands it to "
                               "every node and the proxy")
+        if flag in _SERVE_NODE_FLAGS and where == "--node-args":
+            raise ConfigError(f"{where}: tandem serve sets each node's {flag} itself: use its "
+                              f"{_SERVE_NODE_FLAGS[flag]}")

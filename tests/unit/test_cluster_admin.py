@@ -61,10 +61,22 @@ def test_scale_refuses_bad_bodies(client: TestClient, pools: PoolManager, body: 
     assert pools.desired == {"prefill": 1, "decode": 1}
 
 
-def test_a_node_is_placed_on_a_share_of_the_cpus_or_on_a_gpu() -> None:
+def test_a_node_is_placed_on_a_share_of_the_cpus_and_on_its_gpu_or_share_of_one() -> None:
     # one bundle per tensor-parallel rank; the engine has no tensor parallelism yet, so tp is 1 (see below)
-    assert placement_bundles(1, use_gpus=False, cpus_per_node=0.5) == [{"CPU": 0.5}]
-    assert placement_bundles(1, use_gpus=True, cpus_per_node=0.5) == [{"GPU": 1.0}]
+    assert placement_bundles(1, gpus_per_rank=0.0, cpus_per_node=0.5) == [{"CPU": 0.5}]
+    assert placement_bundles(1, gpus_per_rank=1.0, cpus_per_node=0.5) == [{"CPU": 0.5, "GPU": 1.0}]
+    assert placement_bundles(1, gpus_per_rank=0.5, cpus_per_node=1.0) == [{"CPU": 1.0, "GPU": 0.5}]
+    assert placement_bundles(2, gpus_per_rank=1.0, cpus_per_node=1.0) == [{"CPU": 0.5, "GPU": 1.0}] * 2
+
+
+@pytest.mark.parametrize(("gpus", "node_gpus", "room"), [(1, 1.0, 1), (1, 0.5, 2), (8, 1.0, 8), (2, 0.25, 8)])
+def test_gpu_nodes_fit_as_many_as_the_gpus_hold(gpus: int, node_gpus: float, room: int) -> None:
+    launch = NodeLaunch(model="/m", registry_url="redis://127.0.0.1:1/0", cpus_per_node=0.5,
+                        gpus_per_rank=node_gpus)
+    pools = PoolManager(launch, {"prefill": 0, "decode": 0}, resources=lambda: {"CPU": 64.0, "GPU": float(gpus)})
+    assert pools.room() == room  # gpus // node_gpus: the CPUs hold more
+    with pytest.raises(ValueError, match=f"room for {room} .* GPU and 0.5 CPU each.*smaller --node-gpus"):
+        pools.scale({"decode": room + 1})
 
 
 def test_serve_refuses_tensor_parallelism_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
