@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import socket
 
-from engine.config import ATTENTION_BACKENDS, EngineConfig
+from engine.config import ATTENTION_BACKENDS, LOAD_FORMATS, EngineConfig
 from node_common.registrar import add_registry_args
 from settings import ClusterSettings, add_arguments, parse_args_with
 from settings import env as environment
@@ -32,6 +32,10 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true", default=not engine["enable_prefix_caching"])
     parser.add_argument("--attention-backend", default=engine["attention_backend"], choices=ATTENTION_BACKENDS)
     parser.add_argument("--seed", type=int, default=engine["seed"])
+    parser.add_argument("--load-format", default=engine["load_format"], choices=LOAD_FORMATS,
+                        help="dummy: random weights drawn from --seed, shaped by the model's config.json (benchmarks)")
+    parser.add_argument("--enforce-eager", action="store_true", default=engine["enforce_eager"],
+                        help="no CUDA graphs for decode steps")
     parser.add_argument("--log-level", default=environment.log_level())
     add_registry_args(parser)
 
@@ -50,7 +54,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=cluster.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=cluster.hashing.block_size,
         enable_prefix_caching=not args.no_prefix_caching, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-        attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True)
+        attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True,
+        load_format=args.load_format, enforce_eager=args.enforce_eager)
 
 
 def node_id(args: argparse.Namespace, role: str) -> str:
