@@ -1,0 +1,368 @@
+"""The whole Tandem path on one GPU, in one command: correctness, the handoff's latency, and serving figures.
+
+    python bench/gpu_cluster.py --out OUT_DIR [--kv-backend ipc|nixl|mooncake] [--model DIR]
+    python bench/gpu_cluster.py --out OUT_DIR --tiny --device cpu --kv-backend nixl    # CPU smoke run
+
+What it does (about 8 minutes on one H200 with the 8B shape; a few minutes on a CPU with --tiny):
+1. Model: bench/models/llama8b-shape (Llama-3.1-8B's shape, SmolLM2's real tokenizer, config only), served with
+   `--load-format dummy`: every node draws the same random bf16 weights from `--seed`. --tiny: a 4-layer model
+   with the same tokenizer, written under OUT_DIR.
+2. P/D phase: one prefill node and one decode node on the one GPU (each with its share of the memory, as
+   `--num-kv-blocks`), and the proxy with static `--prefill/--decode` and `--colocate-max-tokens 0` (every
+   request is handed from P to D). Colocated phase: one decode node alone behind the proxy, with the memory both
+   nodes had. The phases run one after the other; the GPU is free between them.
+3. Correctness: greedy, 32 tokens, ignore_eos, through /v1/completions (text prompts and token-id prompts): the
+   P/D outputs must equal the colocated outputs token for token (and their logprobs within
+   --logprob-tolerance); the proxy's metrics must show every P/D request disaggregated. Prints OK/FAIL; FAIL
+   makes the exit status 1 (the figures are still written).
+4. Latency: time to first token and first -> second token on the nodes' gRPC services, P/D (Prefill on P, then
+   Generate on D with the ticket: the KV pull is in the second token) vs colocated (Generate on D alone).
+5. Serving: `tandem bench serve` (python -m benchmark serve) against the proxy, random prompts, 1024 in / 256
+   out at concurrency 1, 16, 64 and 8192 in / 128 out at 1, 16 (--long-concurrency 1,16,64 adds 64), the same
+   prompts in both modes; then transformers' `generate` (random bf16 weights, batch 1 and 16, 1024 in / 256
+   out) as the naive baseline. A time budget (--time-budget-s) skips the points that would run past it.
+Writes OUT_DIR/results.json (everything, rewritten after each step, so a run cut short keeps what it did),
+OUT_DIR/results.md, raw/ (bench serve result files), logs/ (nodes, proxy, bench); prints the Markdown last.
+
+Environment: the KV backend's library must be importable (nixl: the nixl + nixl-cu13 wheels; ipc: nothing).
+For NIXL on a GPU the nodes get UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (UCX allows cuda_ipc GETs only with it when NVML
+reports no NVLink, as in the H200 VM: ../shared/ENV-NOTES.md); --node-env KEY=VALUE adds or overrides variables,
+--node-args appends flags to both nodes (e.g. "--gpu-memory-utilization 0.45" where the nodes take it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.cluster_procs import ROOT, Child, ProcessFailed, child_env, start_node, start_proxy, wait_node  # noqa: E402
+from bench.gpu_cluster_checks import (  # noqa: E402
+    BenchPoint,
+    Completion,
+    compare_outputs,
+    correctness_prompts,
+    greedy_outputs,
+    kv_transfer_stats,
+    measure_latency,
+    pd_decisions,
+    point_record,
+    run_bench,
+)
+from bench.gpu_cluster_report import markdown_report  # noqa: E402
+from bench.shape_model import LLAMA8B_SHAPE_DIR, num_parameters, write_tiny  # noqa: E402
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the run does, fixed before any process starts (and recorded in results.json)."""
+
+    model: str
+    served_name: str
+    device: str
+    dtype: str
+    kv_backend: str
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    prefill_kv_blocks: int
+    decode_kv_blocks: int
+    colocated_kv_blocks: int
+    points: tuple[BenchPoint, ...]
+    latency_prompt_lens: tuple[int, ...]
+    latency_runs: int
+    correctness_tokens: int
+    hf_batch_sizes: str
+    hf_input_len: int
+    hf_output_len: int
+    node_env: tuple[tuple[str, str], ...]
+    node_args: tuple[str, ...]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", type=Path, required=True, help="results, logs and (with --tiny) the model go here")
+    p.add_argument("--model", type=Path, default=None, help="a config-only model directory (default: the 8B shape, "
+                                                            "or with --tiny a 4-layer model written under --out)")
+    p.add_argument("--tiny", action="store_true", help="a tiny model and small workloads (CPU smoke run)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--kv-backend", default="ipc", help="ipc (same host), nixl or mooncake")
+    p.add_argument("--seed", type=int, default=0, help="the dummy weights' seed (the same on every node)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192 (--tiny: 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on the nodes")
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="default: the GPU's total memory")
+    p.add_argument("--memory-fraction", type=float, default=0.9, help="of the GPU, for the nodes together")
+    p.add_argument("--node-reserve-gib", type=float, default=6.0,
+                   help="per node, besides weights and KV: CUDA context, activations, CUDA graphs")
+    p.add_argument("--prefill-kv-share", type=float, default=0.25, help="P's part of the P/D KV memory")
+    p.add_argument("--short-concurrency", default=None, help="default 1,16,64 (--tiny: 1,4)")
+    p.add_argument("--long-concurrency", default=None, help="default 1,16 (--tiny: 1,2)")
+    p.add_argument("--prompts-per-concurrency", type=int, default=2, help="num_prompts = max(4, this x concurrency)")
+    p.add_argument("--latency-runs", type=int, default=6)
+    p.add_argument("--logprob-tolerance", type=float, default=0.05)
+    p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
+    p.add_argument("--time-budget-s", type=float, default=500.0,
+                   help="bench points that would start past their phase's share of it are skipped")
+    p.add_argument("--node-start-timeout-s", type=float, default=420.0)
+    p.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--node-args", default="", help="extra flags for both nodes (one shell-quoted string)")
+    return p.parse_args(argv)
+
+
+def device_info(device: str) -> dict[str, Any]:
+    """The device and library versions, asked of a child process (a CUDA context here would hold GPU memory)."""
+    code = ("import json, platform, torch, transformers, triton\n"
+            "info = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+            "        'triton': triton.__version__, 'transformers': transformers.__version__}\n"
+            "if torch.cuda.is_available():\n"
+            "    p = torch.cuda.get_device_properties(0)\n"
+            "    info.update(gpu=p.name, gpu_total_bytes=p.total_memory)\n"
+            "print(json.dumps(info))")
+    env = child_env({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"cannot import torch/transformers/triton: {out.stderr.strip()[-800:]}")
+    info: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    if device == "cuda" and "gpu" not in info:
+        raise SystemExit("--device cuda, but torch sees no GPU (--device cpu for a CPU run)")
+    return info
+
+
+def kv_block_bytes(model: Path, block_size: int, dtype_bytes: int) -> int:
+    """One KV block of every layer (K and V), as the engine lays it out."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * block_size * config["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def split_kv_blocks(usable_bytes: float, per_node_bytes: float, block_bytes: int, prefill_share: float
+                    ) -> tuple[int, int, int]:
+    """(P's, D's in P/D, D's alone) KV blocks: what is left of `usable_bytes` after each node's weights and
+    reserve (`per_node_bytes`); P takes `prefill_share` of the P/D remainder."""
+    pd_kv, alone_kv = usable_bytes - 2 * per_node_bytes, usable_bytes - per_node_bytes
+    if pd_kv < block_bytes or not 0 < prefill_share < 1:
+        raise SystemExit(f"two nodes of {per_node_bytes / GIB:.1f} GiB each leave no KV memory in "
+                         f"{usable_bytes / GIB:.1f} GiB (or --prefill-kv-share {prefill_share} is not in (0, 1))")
+    prefill = max(1, int(pd_kv * prefill_share // block_bytes))
+    return prefill, int(pd_kv // block_bytes) - prefill, int(alone_kv // block_bytes)
+
+
+def kv_blocks(args: argparse.Namespace, model: Path, dtype_bytes: int, gpu_total_bytes: int | None
+              ) -> tuple[int, int, int]:
+    if args.device == "cpu":  # small pools: the CPU smoke run
+        return 512, 1024, 1536
+    total = args.gpu_memory_gib * GIB if args.gpu_memory_gib else gpu_total_bytes
+    assert total, "a GPU run knows the GPU's memory"
+    per_node = num_parameters(model) * dtype_bytes + args.node_reserve_gib * GIB
+    return split_kv_blocks(total * args.memory_fraction, per_node, kv_block_bytes(model, args.block_size, dtype_bytes),
+                           args.prefill_kv_share)
+
+
+def make_plan(args: argparse.Namespace, gpu_total_bytes: int | None) -> Plan:
+    model = args.model or (write_tiny(args.out / "tiny-model") if args.tiny else LLAMA8B_SHAPE_DIR)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    short, long = ((64, 16), (512, 8)) if args.tiny else ((1024, 256), (8192, 128))
+    points = []
+    short_concurrency = args.short_concurrency or ("1,4" if args.tiny else "1,16,64")
+    long_concurrency = args.long_concurrency or ("1,2" if args.tiny else "1,16")
+    for (input_len, output_len), concurrencies in ((short, short_concurrency), (long, long_concurrency)):
+        for c in (int(c) for c in concurrencies.split(",") if c.strip()):
+            points.append(BenchPoint(f"{input_len}/{output_len}", input_len, output_len, c,
+                                     max(4, args.prompts_per_concurrency * c), seed=100 + len(points)))
+    prefill_blocks, decode_blocks, alone_blocks = kv_blocks(args, model, 4 if dtype == "float32" else 2,
+                                                          gpu_total_bytes)
+    env = {"NIXL_LOG_LEVEL": "WARN"}
+    if args.device == "cpu":
+        env.update({"CUDA_VISIBLE_DEVICES": "", "UCX_MODULES": "^ib"})  # ENV-NOTES: UCX on a CPU box
+    else:
+        env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+    env.update(kv.split("=", 1) for kv in args.node_env)
+    node_args = shlex.split(args.node_args)
+    if args.device == "cpu" and args.kv_backend == "nixl":
+        node_args += ["--ucx-devices", "lo"]
+    return Plan(model=str(model.resolve()), served_name=model.name, device=args.device, dtype=dtype,
+                kv_backend=args.kv_backend, block_size=args.block_size, max_model_len=16384 if not args.tiny else 2048,
+                max_num_batched_tokens=args.max_num_batched_tokens or (2048 if args.tiny else 8192),
+                max_num_seqs=args.max_num_seqs, prefill_kv_blocks=prefill_blocks, decode_kv_blocks=decode_blocks,
+                colocated_kv_blocks=alone_blocks, points=tuple(points),
+                latency_prompt_lens=(64, 512) if args.tiny else (1024, 8192), latency_runs=args.latency_runs,
+                correctness_tokens=32, hf_batch_sizes="1,4" if args.tiny else "1,16",
+                hf_input_len=short[0], hf_output_len=short[1], node_env=tuple(sorted(env.items())),
+                node_args=tuple(node_args))
+
+
+def node_flags(plan: Plan, num_kv_blocks: int, seed: int, enforce_eager: bool) -> list[str]:
+    flags = ["--dtype", plan.dtype, "--kv-backend", plan.kv_backend, "--load-format", "dummy", "--seed", str(seed),
+             "--block-size", str(plan.block_size), "--num-kv-blocks", str(num_kv_blocks),
+             "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs),
+             "--max-num-batched-tokens", str(plan.max_num_batched_tokens), "--log-level", "WARNING",
+             "--drain-timeout", "10"]
+    return flags + (["--enforce-eager"] if enforce_eager else []) + list(plan.node_args)
+
+
+class Run:
+    """The results so far; saved after every step."""
+
+    def __init__(self, args: argparse.Namespace, plan: Plan) -> None:
+        self.args, self.plan = args, plan
+        self.started = time.monotonic()
+        self.data: dict[str, Any] = {"plan": asdict(plan), "correctness": {}, "latency": [], "serving": [],
+                                     "kv_transfer": {}, "hf_generate": [], "errors": []}
+        self.outputs: dict[str, list[Completion]] = {}
+        (args.out / "raw").mkdir(parents=True, exist_ok=True)
+        (args.out / "logs").mkdir(parents=True, exist_ok=True)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(self.elapsed(), 1)
+        (self.args.out / "results.json").write_text(json.dumps(self.data, indent=2) + "\n")
+
+    def error(self, text: str) -> None:
+        print(f"ERROR: {text}", flush=True)
+        self.data["errors"].append(text)
+        self.save()
+
+
+def run_phase(run: Run, mode: str, deadline_s: float) -> None:
+    """Starts the nodes and the proxy of one mode ("pd" or "colocated"), measures, stops them all."""
+    plan, args, logs = run.plan, run.args, run.args.out / "logs"
+    model, env = Path(plan.model), dict(plan.node_env)
+    children: list[Child] = []
+    try:
+        t0 = time.monotonic()
+        if mode == "pd":
+            prefill, p_address = start_node("prefill", model, node_flags(plan, plan.prefill_kv_blocks, args.seed,
+                                                                         args.enforce_eager), logs, env)
+            children.append(prefill)
+            decode, d_address = start_node("decode", model, node_flags(plan, plan.decode_kv_blocks, args.seed,
+                                                                       args.enforce_eager), logs, env)
+            children.append(decode)
+            wait_node(prefill, args.node_start_timeout_s)
+        else:
+            p_address = None
+            decode, d_address = start_node("decode", model, node_flags(plan, plan.colocated_kv_blocks, args.seed,
+                                                                       args.enforce_eager), logs, env)
+            children.append(decode)
+        wait_node(decode, args.node_start_timeout_s)
+        proxy_flags = ["--served-model-name", plan.served_name, "--block-size", str(plan.block_size),
+                       "--max-model-len", str(plan.max_model_len), "--log-level", "warning",
+                       "--request-timeout", "600", *(["--colocate-max-tokens", "0"] if mode == "pd" else [])]
+        proxy, url = start_proxy(model, p_address, d_address, proxy_flags, logs)
+        children.append(proxy)
+        print(f"[{run.elapsed():5.0f} s] {mode}: nodes and proxy up in {time.monotonic() - t0:.0f} s ({url})",
+              flush=True)
+
+        prompts = correctness_prompts(json.loads((model / "config.json").read_text())["vocab_size"])
+        outputs = greedy_outputs(url, plan.served_name, prompts, plan.correctness_tokens)
+        run.outputs[mode] = outputs
+        run.data["correctness"][mode] = {"outputs": [asdict(o) for o in outputs], "decisions": pd_decisions(url)}
+        run.save()
+
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        for prompt_len in plan.latency_prompt_lens:
+            record = measure_latency(p_address, d_address, prompt_len, plan.latency_runs, vocab)
+            run.data["latency"].append(record)
+            print(f"[{run.elapsed():5.0f} s] {record['mode']} {prompt_len} tokens: TTFT {record['ttft_ms']:.1f} ms, "
+                  f"first -> second token {record['first_to_second_ms']:.1f} ms", flush=True)
+            run.save()
+
+        tokenizer, bench_log = model, logs / f"bench-{mode}.log"
+        for input_len, output_len in sorted({(p.input_len, p.output_len) for p in plan.points}):
+            warm = BenchPoint("warmup", input_len, 4, 4, 4, seed=10_000 + input_len)
+            if (result := run_bench(warm, url, plan.served_name, tokenizer, None, f"{mode}-warmup", 300, bench_log)):
+                run.error(f"{mode} warm-up {input_len}/{output_len}: {result['error']}")
+        for point in plan.points:
+            label = f"{mode}-{point.input_len}x{point.output_len}-c{point.concurrency}"
+            if time.monotonic() - run.started > deadline_s:
+                run.data["serving"].append(point_record(point, mode, {"skipped": "time budget"}))
+                print(f"[{run.elapsed():5.0f} s] {label}: skipped (time budget)", flush=True)
+                continue
+            result = run_bench(point, url, plan.served_name, tokenizer, run.args.out / "raw" / f"{label}.json",
+                               label, 600, bench_log)
+            run.data["serving"].append(point_record(point, mode, result))
+            print(f"[{run.elapsed():5.0f} s] {label}: " + (result.get("error") or
+                  f"{result['output_throughput']:.0f} out tok/s, TTFT {result['mean_ttft_ms']:.0f} ms, "
+                  f"TPOT {result['mean_tpot_ms']:.1f} ms"), flush=True)
+            run.save()
+        run.data["kv_transfer"][mode] = kv_transfer_stats(d_address)
+    except (ProcessFailed, RuntimeError, OSError, KeyError, ValueError) as e:
+        run.error(f"{mode} phase: {type(e).__name__}: {e}")
+    finally:
+        for child in reversed(children):
+            child.stop()
+        run.save()
+
+
+def run_hf(run: Run, timeout_s: float) -> None:
+    plan, out = run.plan, run.args.out / "hf_generate.json"
+    command = [sys.executable, str(ROOT / "bench" / "hf_generate.py"), plan.model, "--device", plan.device,
+               "--dtype", plan.dtype, "--batch-sizes", plan.hf_batch_sizes, "--input-len", str(plan.hf_input_len),
+               "--output-len", str(plan.hf_output_len), "--seed", str(run.args.seed), "--json", str(out)]
+    env = child_env({"CUDA_VISIBLE_DEVICES": ""} if plan.device == "cpu" else {})
+    with (run.args.out / "logs" / "hf_generate.log").open("wb") as log:
+        try:
+            code = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=max(timeout_s, 30)).returncode
+        except subprocess.TimeoutExpired:
+            run.error(f"transformers baseline: timed out after {timeout_s:.0f} s")
+            return
+    if code != 0 or not out.is_file():
+        run.error(f"transformers baseline: exit code {code} (logs/hf_generate.log)")
+        return
+    run.data["hf_generate"] = json.loads(out.read_text())
+    run.save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = device_info(args.device)
+    plan = make_plan(args, info.get("gpu_total_bytes"))
+    run = Run(args, plan)
+    run.data["device_info"] = info
+    print(f"model {plan.model} ({plan.dtype} on {plan.device}), KV backend {plan.kv_backend}; KV blocks: P "
+          f"{plan.prefill_kv_blocks}, D {plan.decode_kv_blocks}, D alone {plan.colocated_kv_blocks}", flush=True)
+    run.save()
+    budget = args.time_budget_s
+    run_phase(run, "pd", deadline_s=0.45 * budget)
+    run_phase(run, "colocated", deadline_s=0.85 * budget)
+    ok, lines = False, ["no comparison: a phase produced no outputs"]
+    if "pd" in run.outputs and "colocated" in run.outputs:
+        ok, lines = compare_outputs(run.outputs["pd"], run.outputs["colocated"], plan.correctness_tokens,
+                                    args.logprob_tolerance)
+        disaggregated = run.data["correctness"]["pd"]["decisions"].get("disaggregated", 0)
+        if disaggregated < len(run.outputs["pd"]):
+            ok = False
+            lines.append(f"FAIL the P/D proxy disaggregated {disaggregated:g} of {len(run.outputs['pd'])} requests")
+    run.data["correctness"]["ok"], run.data["correctness"]["report"] = ok, lines
+    print("\n".join(["correctness (P/D vs colocated, greedy):", *lines, "OK" if ok else "FAIL"]), flush=True)
+    run.save()
+    if not args.skip_hf:
+        run_hf(run, timeout_s=max(budget - run.elapsed(), 60) if math.isfinite(budget) else 900)
+    report = markdown_report(run.data)
+    (args.out / "results.md").write_text(report + "\n")
+    run.save()
+    print(report, flush=True)
+    return 0 if ok and not run.data["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
