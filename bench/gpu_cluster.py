@@ -24,7 +24,15 @@ What it does (about 8 minutes on one H200 with the 8B shape; a few minutes on a 
 Writes OUT_DIR/results.json (everything, rewritten after each step, so a run cut short keeps what it did),
 OUT_DIR/results.md, raw/ (bench serve result files), logs/ (nodes, proxy, bench); prints the Markdown last.
 
-Environment: the KV backend's library must be importable (nixl: the nixl + nixl-cu13 wheels; ipc: nothing).
+On the H200 (no internet; python 3.12, torch 2.11 + CUDA 13, transformers, grpcio 1.84 there): bring cp312 wheels
+of what the box lacks (starlette, uvicorn, click, redis; grpcio >= 1.85.1 and protobuf >= 7.35.1, which the
+generated stubs in protos/ require; nixl + nixl-cu13 for --kv-backend nixl), then
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    timeout 590 python3 bench/gpu_cluster.py --out $OUT/gpu-cluster --kv-backend ipc
+
+A preflight (seconds) imports what the nodes, proxy and client import and fails with the import's message.
+The KV backend's library must be importable (nixl: the nixl + nixl-cu13 wheels; ipc: nothing).
 For NIXL on a GPU the nodes get UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (UCX allows cuda_ipc GETs only with it when NVML
 reports no NVLink, as in the H200 VM: ../shared/ENV-NOTES.md); --node-env KEY=VALUE adds or overrides variables,
 --node-args appends flags to both nodes (e.g. "--gpu-memory-utilization 0.45" where the nodes take it).
@@ -125,19 +133,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def device_info(device: str) -> dict[str, Any]:
-    """The device and library versions, asked of a child process (a CUDA context here would hold GPU memory)."""
-    code = ("import json, platform, torch, transformers, triton\n"
-            "info = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
-            "        'triton': triton.__version__, 'transformers': transformers.__version__}\n"
-            "if torch.cuda.is_available():\n"
-            "    p = torch.cuda.get_device_properties(0)\n"
-            "    info.update(gpu=p.name, gpu_total_bytes=p.total_memory)\n"
-            "print(json.dumps(info))")
+# Run in a child: imports what the nodes, the proxy and the client import (a missing wheel or a gRPC/protobuf older
+# than the generated stubs fails here, in seconds, with the import's own message), and reads the GPU.
+_PREFLIGHT = """
+import json, platform, sys
+import torch, transformers, triton, grpc, google.protobuf
+import protos.tandem_pb2_grpc, proxy.app, benchmark.cli, node_common.server, prefill_node.service
+from settings.cluster import KV_BACKENDS
+if sys.argv[1] not in KV_BACKENDS:
+    sys.exit(f"--kv-backend {sys.argv[1]}: the nodes of this tree know {', '.join(KV_BACKENDS)}")
+if sys.argv[1] == "nixl":
+    import nixl._api
+elif sys.argv[1] == "mooncake":
+    import mooncake.engine
+info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": triton.__version__, "transformers": transformers.__version__, "grpc": grpc.__version__,
+        "protobuf": google.protobuf.__version__}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, gpu_total_bytes=p.total_memory)
+print(json.dumps(info))
+"""
+
+
+def device_info(device: str, kv_backend: str) -> dict[str, Any]:
+    """Library versions and the GPU, from a child process (a CUDA context here would hold GPU memory)."""
     env = child_env({"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {})
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    out = subprocess.run([sys.executable, "-c", _PREFLIGHT, kv_backend], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=ROOT)
     if out.returncode != 0:
-        raise SystemExit(f"cannot import torch/transformers/triton: {out.stderr.strip()[-800:]}")
+        raise SystemExit(f"preflight failed (a wheel missing from PYTHONPATH? a backend the nodes lack?):\n"
+                         f"{out.stderr.strip()[-1500:]}")
     info: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     if device == "cuda" and "gpu" not in info:
         raise SystemExit("--device cuda, but torch sees no GPU (--device cpu for a CPU run)")
@@ -169,7 +195,11 @@ def kv_blocks(args: argparse.Namespace, model: Path, dtype_bytes: int, gpu_total
         return 512, 1024, 1536
     total = args.gpu_memory_gib * GIB if args.gpu_memory_gib else gpu_total_bytes
     assert total, "a GPU run knows the GPU's memory"
-    per_node = num_parameters(model) * dtype_bytes + args.node_reserve_gib * GIB
+    # The engine builds the model in float32 and then casts it: the float32 storage stays in the process's CUDA
+    # cache (released only when that process itself runs short, never for the other node), about one more copy of
+    # the bf16 weights. Counted here so the two nodes' pools fit next to it.
+    weights = num_parameters(model) * dtype_bytes
+    per_node = weights + (weights if dtype_bytes < 4 else 0) + args.node_reserve_gib * GIB
     return split_kv_blocks(total * args.memory_fraction, per_node, kv_block_bytes(model, args.block_size, dtype_bytes),
                            args.prefill_kv_share)
 
@@ -303,8 +333,11 @@ def run_phase(run: Run, mode: str, deadline_s: float) -> None:
                   f"TPOT {result['mean_tpot_ms']:.1f} ms"), flush=True)
             run.save()
         run.data["kv_transfer"][mode] = kv_transfer_stats(d_address)
-    except (ProcessFailed, RuntimeError, OSError, KeyError, ValueError) as e:
+    except Exception as e:  # gRPC, HTTP, a dead child...: the phase ends, the run goes on to the next one
         run.error(f"{mode} phase: {type(e).__name__}: {e}")
+        if not isinstance(e, ProcessFailed):  # ProcessFailed carries its child's log already
+            for child in children:
+                print(f"--- {child.name} ({child.log_path}), last lines:\n{child.log_tail(2000)}", flush=True)
     finally:
         for child in reversed(children):
             child.stop()
@@ -334,7 +367,7 @@ def run_hf(run: Run, timeout_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    info = device_info(args.device)
+    info = device_info(args.device, args.kv_backend)
     plan = make_plan(args, info.get("gpu_total_bytes"))
     run = Run(args, plan)
     run.data["device_info"] = info
