@@ -20,7 +20,8 @@ What it does (about 8 minutes on one H200 with the 8B shape; a few minutes on a 
 5. Serving: `tandem bench serve` (python -m benchmark serve) against the proxy, random prompts, 1024 in / 256
    out at concurrency 1, 16, 64 and 8192 in / 128 out at 1, 16 (--long-concurrency 1,16,64 adds 64), the same
    prompts in both modes; then transformers' `generate` (random bf16 weights, batch 1 and 16, 1024 in / 256
-   out) as the naive baseline. A time budget (--time-budget-s) skips the points that would run past it.
+   out) as the naive baseline. A time budget (--time-budget-s) skips the points that would start past their
+   phase's share of it.
 Writes OUT_DIR/results.json (everything, rewritten after each step, so a run cut short keeps what it did),
 OUT_DIR/results.md, raw/ (bench serve result files), logs/ (nodes, proxy, bench); prints the Markdown last.
 
@@ -125,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latency-runs", type=int, default=6)
     p.add_argument("--logprob-tolerance", type=float, default=0.05)
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
-    p.add_argument("--time-budget-s", type=float, default=500.0,
+    p.add_argument("--time-budget-s", type=float, default=480.0,
                    help="bench points that would start past their phase's share of it are skipped")
     p.add_argument("--node-start-timeout-s", type=float, default=420.0)
     p.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE")
@@ -208,7 +209,7 @@ def make_plan(args: argparse.Namespace, gpu_total_bytes: int | None) -> Plan:
     model = args.model or (write_tiny(args.out / "tiny-model") if args.tiny else LLAMA8B_SHAPE_DIR)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     short, long = ((64, 16), (512, 8)) if args.tiny else ((1024, 256), (8192, 128))
-    points = []
+    points: list[BenchPoint] = []
     short_concurrency = args.short_concurrency or ("1,4" if args.tiny else "1,16,64")
     long_concurrency = args.long_concurrency or ("1,2" if args.tiny else "1,16")
     for (input_len, output_len), concurrencies in ((short, short_concurrency), (long, long_concurrency)):
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(["correctness (P/D vs colocated, greedy):", *lines, "OK" if ok else "FAIL"]), flush=True)
     run.save()
     if not args.skip_hf:
-        run_hf(run, timeout_s=max(budget - run.elapsed(), 60) if math.isfinite(budget) else 900)
+        run_hf(run, timeout_s=max(budget - run.elapsed(), 90) if math.isfinite(budget) else 900)
     report = markdown_report(run.data)
     (args.out / "results.md").write_text(report + "\n")
     run.save()
