@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from bench.gpu_cluster import GIB, kv_block_bytes, split_kv_blocks
 from bench.gpu_cluster_checks import Completion, compare_outputs
+from bench.gpu_cluster_plan import GIB, kv_block_bytes, split_kv_blocks
 from bench.gpu_cluster_report import markdown_report
 from bench.shape_model import LLAMA8B_SHAPE_DIR, num_parameters, write_tiny
 from engine.config import ModelConfig
