@@ -11,7 +11,7 @@ import pytest
 
 from cluster.pools import NodeLaunch, node_command, node_environment
 from engine.config import EngineConfig
-from node_common.options import add_node_args, parse_node_args
+from node_common.options import add_node_args, engine_config, parse_node_args
 from settings import TREE_KEYS, ConfigError, HashingSettings, ServeConfig, add_arguments, resolve, to_args
 from settings.spec import flatten
 
@@ -119,6 +119,15 @@ def test_node_flag_defaults_equal_the_offline_llm_defaults() -> None:
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "dtype", "seed"):
         assert getattr(args, name) == offline[name], name
     assert args.max_num_seqs == 128  # was 64 on nodes
+    config = engine_config(args)
+    assert (config.load_format, config.enforce_eager) == (offline["load_format"], offline["enforce_eager"])
+
+
+def test_node_load_format_and_enforce_eager_reach_the_engine_config() -> None:
+    config = engine_config(node_args("--load-format", "dummy", "--enforce-eager"))
+    assert (config.load_format, config.enforce_eager) == ("dummy", True)
+    with pytest.raises(SystemExit):  # argparse refuses a format the engine does not know
+        node_args("--load-format", "pt")
 
 
 CHOSEN = ["--block-size", "8", "--hash-seed", "s1", "--kv-backend", "mooncake", "--dtype", "bfloat16",
