@@ -24,7 +24,7 @@ import grpc
 from engine.output_processor import OutputDelta, OutputProcessor
 from engine.types import PositionLogprobs, SamplingParams
 from proxy.clients import NodeError
-from proxy.errors import NoHealthyNodes, Overloaded
+from proxy.errors import NoHealthyNodes, Overloaded, without_addresses
 from proxy.metrics import ProxyMetrics
 from proxy.openai_api import APIError
 from proxy.pd import PDPipeline, TokenChunk
@@ -113,9 +113,18 @@ def api_error(e: Exception) -> APIError:
         kind = {429: "rate_limit_error", 503: "service_unavailable"}.get(
             status, "invalid_request_error" if status < 500 else "server_error")
         headers = {"Retry-After": "1"} if status in (429, 503) else None
-        return APIError(status, str(e), code=e.code.name.lower(), kind=kind, headers=headers)
+        return APIError(status, _client_message(e), code=e.code.name.lower(), kind=kind, headers=headers)
     logger.exception("internal error", exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}", code="internal_error", kind="server_error")
+
+
+def _client_message(e: NodeError) -> str:
+    """What a client is told of a node's failure: never the node's address (the log has it, with the whole
+    error), nor the transport's own words for an unreachable node."""
+    if e.unreachable:
+        return f"a {e.role} node could not be reached; retry later"
+    address = e.node.split(" ", 1)[1] if " " in e.node else ""
+    return f"the {e.role} node failed the request: {without_addresses(e.message, (address,))}"
 
 
 def _feed(output: OutputProcessor, chunk: TokenChunk) -> list[OutputDelta]:
@@ -166,7 +175,7 @@ async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival:
                 return  # after a stop string, closing the stream aborts the rest on the nodes
     except Exception as e:
         error = api_error(e)
-        if error.status >= 500:
+        if error.status >= 500 or isinstance(e, NodeError):  # the node's address is told here, not to the client
             logger.warning("request %s choice %d failed: %s", request_id, sub.index, e)
         recorder.fail(error.code or str(error.status))
         raise error from e
