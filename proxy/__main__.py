@@ -1,5 +1,6 @@
 """python -m proxy (--registry redis://HOST:PORT | --prefill HOST:PORT --decode HOST:PORT) --model DIR
-[--port 8000] [--api-key KEY] [--routing prefix_load|round_robin] [--block-size N --hash-seed S] [--config FILE]"""
+[--port 8000] [--api-key KEY] [--routing prefix_load|round_robin] [--block-size N --hash-seed S] [--config FILE]
+[--max-request-body-bytes N] [--tokenizer-threads N]"""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import uvicorn
 from engine.tokenizer import load_tokenizer
 from proxy.app import ProxyState, create_app, read_max_model_len
 from proxy.pd import add_routing_args, pipeline_from_args
+from proxy.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+from proxy.serving import DEFAULT_TOKENIZER_THREADS
 from settings import HashingSettings, add_arguments, parse_args_with
 from settings import env as environment
 
@@ -32,8 +35,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
                         help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-requests", type=int, default=None,
                         help="choices in flight at this proxy before it answers 429 (default: no limit)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get 413 before they are read (default: 32 MiB)")
+    parser.add_argument("--tokenizer-threads", type=int, default=DEFAULT_TOKENIZER_THREADS,
+                        help="threads that decode and tokenize request bodies, off the event loop")
     parser.add_argument("--log-level", default="info")
     args, hashing = parse_args_with(parser, HashingSettings, argv)
+    if args.max_request_body_bytes <= 0 or args.tokenizer_threads <= 0:
+        parser.error("--max-request-body-bytes and --tokenizer-threads must be positive")
     args.hashing = hashing
     return parser, args
 
@@ -46,7 +55,8 @@ def main() -> None:
     default_name = model.stem if model.suffix == ".gguf" else model.name
     state = ProxyState(pipeline, load_tokenizer(model), args.served_model_name or default_name, args.request_timeout,
                        max_model_len=read_max_model_len(model, args.max_model_len), api_key=args.api_key or None,
-                       max_num_requests=args.max_num_requests)
+                       max_num_requests=args.max_num_requests, max_request_body_bytes=args.max_request_body_bytes,
+                       tokenizer_threads=args.tokenizer_threads)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
 
 

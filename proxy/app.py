@@ -1,7 +1,9 @@
 """The starlette app: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions), /health, /metrics.
 
-A request's path: authorize → parse (openai_api) → tokenize (chat template for chat) → check the context
-length → fan out its choices through the pipeline (serving) → format (responses), whole or as SSE.
+A request's path: authorize → read the body (at most --max-request-body-bytes: 413 beyond) → decode the JSON,
+parse (openai_api) and tokenize (chat template for chat) on a tokenizer thread, off the event loop → check the
+context length (400 beyond) → fan out its choices through the pipeline (serving) → format (responses), whole or
+as SSE.
 A streamed response starts only once the first token is there, so errors before it (429, 503, a node's
 400) keep their HTTP status; later errors arrive as an error event before [DONE]. A client that goes
 away, streaming or not, cancels its choices, which aborts them on the nodes.
@@ -28,7 +30,16 @@ from starlette.routing import Route
 
 from engine.config import ModelConfig, ModelConfigError
 from proxy.metrics import poll_nodes
-from proxy.openai_api import APIError, Generation, bad_request, parse_chat, parse_completion
+from proxy.openai_api import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Generation,
+    bad_request,
+    parse_chat,
+    parse_completion,
+)
+from proxy.request_body import decode_json, read_body
 from proxy.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
 from proxy.serving import ProxyState, SubRequest, fan_out, generate
 from wire import Role
@@ -94,9 +105,8 @@ def create_app(state: ProxyState) -> Starlette:
         arrival = time.monotonic()
         try:
             _authorize(state, request)
-            parsed = parse_completion(await _json(request))
-            _check_model(state, parsed.generation.model)
-            prompts = [_prompt_ids(state, p) for p in parsed.prompts]
+            body = await read_body(request, state.max_request_body_bytes)
+            parsed, prompts = await state.off_loop(_prepare_completion, state, body)
         except APIError as e:
             return _error_response(e)
         return await _serve(request, state, CompletionFormat, prompts, parsed.generation, arrival, "prompt")
@@ -105,10 +115,8 @@ def create_app(state: ProxyState) -> Starlette:
         arrival = time.monotonic()
         try:
             _authorize(state, request)
-            parsed = parse_chat(await _json(request))
-            _check_model(state, parsed.generation.model)
-            prompt_ids = _chat_prompt_ids(state, [m.as_template_input() for m in parsed.messages],
-                                          parsed.add_generation_prompt)
+            body = await read_body(request, state.max_request_body_bytes)
+            parsed, prompt_ids = await state.off_loop(_prepare_chat, state, body)
         except APIError as e:
             return _error_response(e)
         return await _serve(request, state, ChatFormat, [prompt_ids], parsed.generation, arrival, "messages")
@@ -129,6 +137,7 @@ def create_app(state: ProxyState) -> Starlette:
             yield
         finally:
             await state.pipeline.close()
+            state.close()
 
     return Starlette(lifespan=lifespan, routes=[
         Route("/health", health), Route("/metrics", metrics),
@@ -148,11 +157,19 @@ def _authorize(state: ProxyState, request: Request) -> None:
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad_request("the request body is not valid JSON") from None
+# ---- on a tokenizer thread: time in proportion to the body ----
+
+def _prepare_completion(state: ProxyState, body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
+    parsed = parse_completion(decode_json(body))
+    _check_model(state, parsed.generation.model)
+    return parsed, [_prompt_ids(state, p) for p in parsed.prompts]
+
+
+def _prepare_chat(state: ProxyState, body: bytes) -> tuple[ChatRequest, list[int]]:
+    parsed = parse_chat(decode_json(body))
+    _check_model(state, parsed.generation.model)
+    return parsed, _chat_prompt_ids(state, [m.as_template_input() for m in parsed.messages],
+                                    parsed.add_generation_prompt)
 
 
 def _check_model(state: ProxyState, model: str) -> None:
@@ -187,9 +204,10 @@ def _check_length(state: ProxyState, prompts: list[list[int]], max_tokens: int |
         wanted = len(prompt) + (max_tokens or 1)
         if wanted > limit:
             completion = f"{max_tokens} in the completion" if max_tokens else "at least 1 to generate"
-            raise APIError(413, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{wanted} tokens ({len(prompt)} in the {param}, {completion}). Please reduce the "
-                                f"length of the {param} or the completion.", param, "context_length_exceeded")
+            # OpenAI's status, code and message (vLLM's too): a 400, not a 413
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{wanted} tokens ({len(prompt)} in the {param}, {completion}). Please reduce the "
+                              f"length of the {param} or completion.", param, "context_length_exceeded")
 
 
 # ---- serving a request ----
@@ -278,5 +296,12 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
+class _ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error message quoting any text at all can always be sent."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return _ErrorJSON(e.body(), status_code=e.status, headers=e.headers)

@@ -22,13 +22,22 @@ _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_recon
 
 
 class NodeError(Exception):
-    """A node refused or failed a request. `retryable`: prefilling again (maybe elsewhere) may succeed."""
+    """A node refused or failed a request. `retryable`: prefilling again (maybe elsewhere) may succeed;
+    `unreachable`: the node did not answer at all (connection refused or lost), so routing should leave it out.
+    `node` ("prefill HOST:PORT") and the string form are for logs: clients get `message` (proxy.serving)."""
 
-    def __init__(self, node: str, code: grpc.StatusCode, message: str, retryable: bool) -> None:
+    def __init__(self, node: str, code: grpc.StatusCode, message: str, retryable: bool,
+                 unreachable: bool = False) -> None:
         super().__init__(f"{node}: {message}")
         self.node = node
         self.code = code
+        self.message = message
         self.retryable = retryable
+        self.unreachable = unreachable
+
+    @property
+    def role(self) -> str:
+        return self.node.split(" ", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -62,8 +71,10 @@ class NodeStatus:
 
 def _error(node: str, e: grpc.aio.AioRpcError) -> NodeError:
     trailers = dict(e.trailing_metadata() or ())
+    # the node's own errors carry our trailer; UNAVAILABLE without it comes from the transport (nobody answered)
+    unreachable = e.code() == grpc.StatusCode.UNAVAILABLE and RETRYABLE_KEY not in trailers
     retryable = trailers.get(RETRYABLE_KEY) == "1" or e.code() == grpc.StatusCode.UNAVAILABLE
-    return NodeError(node, e.code(), e.details() or str(e.code()), retryable)
+    return NodeError(node, e.code(), e.details() or str(e.code()), retryable, unreachable)
 
 
 class NodeClient:

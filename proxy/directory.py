@@ -9,6 +9,8 @@ Two sources, combinable:
 - the registry (`--registry redis://...`): every `poll_s` the node keys (wire.registry) written by node registrars
   are scanned. A key that is gone (its TTL ran out, or the node deregistered) is a node gone, from routing
   and from the prefix index. A node both listed and registered is one node, described by its registration.
+Either way, a node a call just found unreachable is left out of routing for a short back-off (proxy.dead_nodes),
+before its registry entry expires or its polls fail, even when it is the last node of its role.
 
 KV events: one task reads the cluster's stream from where it left off and applies each node's delta to the
 index. A node first seen, restarted (seq 0) or with a gap in its seq gets its set reloaded; a lock keeps a
@@ -30,6 +32,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from proxy.clients import DecodeClient, NodeClient, PrefillClient
+from proxy.dead_nodes import DeadNodes
 from proxy.prefix_index import PrefixIndex
 from wire import (
     KV_EVENTS_STREAM,
@@ -89,6 +92,7 @@ class NodeDirectory:
         self._kv_lock = asyncio.Lock()
         self._warned: set[str] = set()
         self._clients: dict[str, NodeClient] = {}
+        self.dead = DeadNodes()
         self._redis = (aioredis.Redis.from_url(registry_url, decode_responses=True, socket_timeout=5.0,
                                                socket_connect_timeout=2.0) if registry_url else None)
         self._stream_id = "0-0"
@@ -104,7 +108,20 @@ class NodeDirectory:
         static = [n for a, n in self._static.items() if n.role is role and a not in registered]
         healthy = [n for n in static if n.healthy]
         candidates = [*registered.values(), *(healthy if healthy or registered else static)]
-        return sorted((n for n in candidates if not n.draining), key=lambda n: n.address)
+        return sorted((n for n in candidates if not n.draining and not self.dead.is_down(n.address)),
+                      key=lambda n: n.address)
+
+    def mark_down(self, node: NodeView) -> None:
+        """A call just found `node` unreachable: routing leaves it out for a back-off (proxy.dead_nodes)."""
+        already = self.dead.is_down(node.address)  # other requests in flight found it too
+        back_off = self.dead.mark_down(node.address)
+        if not already:
+            logger.warning("%s node %s (%s) is unreachable: out of routing for %.1f s", node.role.value,
+                           node.node_id, node.address, back_off)
+
+    def mark_alive(self, node: NodeView) -> None:
+        """A call to `node` succeeded."""
+        self.dead.mark_alive(node.address)
 
     def all_nodes(self) -> list[NodeView]:
         """Every node known, healthy or not, draining or not."""
@@ -206,6 +223,7 @@ class NodeDirectory:
             self._registered[node_id] = self._state_of(record)
             if self._incarnations.get(node_id) != record.incarnation:
                 self._incarnations[node_id] = record.incarnation
+                self.dead.mark_alive(record.address)  # a (re)started node: not the process that failed
                 joined.append(node_id)
                 logger.info("node %s (%s at %s) joined from the registry", node_id, record.role.value,
                             record.address)
@@ -310,6 +328,7 @@ class NodeDirectory:
                 self._static[node.address] = dataclasses.replace(node, healthy=False)
             return
         self._static_failures[node.address] = 0
+        self.dead.mark_alive(node.address)
         if not node.healthy:
             logger.info("%s node %s (%s) is healthy", node.role.value, node.address, status.node_id)
         self._static[node.address] = NodeView(node.address, node.role, status.node_id, status.layout_hash,

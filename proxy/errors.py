@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class NoHealthyNodes(Exception):
     """No prefill or no decode node can take the request now (HTTP 503)."""
@@ -13,3 +15,20 @@ class Overloaded(Exception):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+# host:port with a dotted or bracketed host (10.0.0.7:8001, [::1]:8001, p-0.tandem.svc:8001), gRPC's target
+# prefixes (ipv4:, ipv6:, dns:///, unix:), and bare IPv4 addresses
+_ADDRESS = re.compile(
+    r"(?:\b(?:ipv4|ipv6|dns|unix|unix-abstract):(?:///?)?)?"
+    r"(?:\[[0-9A-Fa-f:.%]+\](?::\d+)?|\b[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+:\d+\b|\blocalhost:\d+\b"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}\b)")
+
+
+def without_addresses(text: str, known: tuple[str, ...] = ()) -> str:
+    """`text` for a client: internal node addresses (the `known` ones and anything shaped like one) replaced by
+    "<node>". The full text belongs in the proxy's log."""
+    for address in known:
+        if address:
+            text = text.replace(address, "<node>")
+    return _ADDRESS.sub("<node>", text)

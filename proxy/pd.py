@@ -5,10 +5,17 @@ The router picks D, the mode and P (proxy/router.py).
 - Disaggregated: P computes the prompt's K/V and the first token; the first token goes to the client at once;
   D pulls the K/V and streams the rest.
 Failures, at most `max_retries` retries per request in all:
-- a retryable prefill failure runs the prefill again on another P (the same one only when no other can);
+- a node that a call finds unreachable is marked down in the directory (proxy.dead_nodes): routing leaves it
+  out for a short back-off, so the requests after this one do not try it first;
+- a retryable prefill failure runs the prefill again on another P (the same one only when no other can). When
+  no prefill node is left at all, D prefills the prompt itself (colocated, as the router routes new requests
+  then): nothing has been sent yet;
 - a retryable failure on D before it streamed anything (a transfer or checksum failure, a ticket gone stale,
   D unreachable) releases the ticket and prefills again for a fresh ticket, on another P, and on another D
-  when D was unreachable. The K/V depends on the prompt alone, so the first token already sent stays valid;
+  when D was unreachable. The K/V depends on the prompt alone, so the first token already sent stays valid.
+  When no prefill node is left, D goes on alone: a colocated request of the prompt + that first token, with
+  one token fewer to generate (greedy output is unchanged; presence and frequency penalties see that token
+  as prompt);
 - once D has streamed tokens, a failure ends the request with an error (never a replay of sent tokens).
 """
 
@@ -16,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -26,7 +35,7 @@ from engine.types import FinishReason, PositionLogprobs, SamplingParams
 from proxy.clients import DecodeClient, NodeError, PrefillClient, Prefilled
 from proxy.directory import NodeDirectory, NodeView
 from proxy.router import Mode, Route, Router, RouterConfig, RoutingPolicy
-from wire import Role
+from wire import KVTicket, Role
 
 logger = logging.getLogger(__name__)
 
@@ -72,64 +81,64 @@ class PDPipeline:
         logger.debug("request %s: %s on %s%s (hit D %d, P %d tokens)", request_id, route.mode.value,
                      route.decode.node_id, f" after {route.prefill.node_id}" if route.prefill else "",
                      route.decode_hit_tokens, route.prefill_hit_tokens)
-        chunks = (self._colocated(route, request_id, prompt_token_ids, params, deadline)
+        retries = _Retries(self.max_retries)
+        chunks = (self._colocated(route.decode, request_id, prompt_token_ids, params, deadline, retries)
                   if route.mode is Mode.COLOCATED else
-                  self._disaggregated(route, request_id, prompt_token_ids, params, deadline))
-        try:
+                  self._disaggregated(route, request_id, prompt_token_ids, params, deadline, retries))
+        async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
-        finally:
-            await chunks.aclose()
 
-    async def _colocated(self, route: Route, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                         deadline: float) -> AsyncGenerator[TokenChunk, None]:
-        decode = route.decode
+    async def _colocated(self, decode: NodeView, request_id: str, prompt_token_ids: list[int],
+                         params: SamplingParams, deadline: float, retries: _Retries
+                         ) -> AsyncGenerator[TokenChunk, None]:
         tried: set[str] = set()
         finished = False
         try:
-            for attempt in range(self.max_retries + 1):
+            while True:
                 started = False
                 try:
                     with self.router.decoding(decode):
                         async for out in self.directory.decode_client(decode).generate(
                                 request_id, prompt_token_ids, params, None, deadline):
+                            if not started:
+                                self.directory.mark_alive(decode)
                             started = True
                             finished = out.finish_reason is not None
                             yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id,
                                              out.num_cached_tokens)
                     return
                 except NodeError as e:
-                    tried.add(decode.address)
-                    # only an unreachable D is worth leaving; its other errors would repeat elsewhere
-                    other = self.router.another_decode(tried) if e.code == grpc.StatusCode.UNAVAILABLE else None
-                    if started or not e.retryable or attempt == self.max_retries or other is None:
-                        raise
-                    logger.warning("request %s: %s; running it on %s instead", request_id, e, other.node_id)
-                    decode = other
+                    failure = e
+                self._note_failure(decode, failure)
+                tried.add(decode.address)
+                # only an unreachable D is worth leaving; its other errors would repeat elsewhere
+                other = self.router.another_decode(tried) if failure.code == grpc.StatusCode.UNAVAILABLE else None
+                if started or not failure.retryable or other is None or not retries.spend():
+                    raise failure
+                logger.warning("request %s: %s; running it on %s instead", request_id, failure, other.node_id)
+                decode = other
         finally:
             if not finished:  # client gone, deadline or error: stop D's work
                 await asyncio.shield(self.directory.decode_client(decode).abort(request_id))
 
     async def _disaggregated(self, route: Route, request_id: str, prompt_token_ids: list[int],
-                             params: SamplingParams, deadline: float) -> AsyncGenerator[TokenChunk, None]:
+                             params: SamplingParams, deadline: float, retries: _Retries
+                             ) -> AsyncGenerator[TokenChunk, None]:
         assert route.prefill is not None, "a disaggregated route has a prefill node"
-        prefill, decode = route.prefill, route.decode
+        decode = route.decode
         tried_prefill: set[str] = set()
-        retries = 0
-        while True:
-            try:
-                prefilled = await self._prefill(prefill, request_id, prompt_token_ids, params, deadline)
-                break
-            except NodeError as e:
-                tried_prefill.add(prefill.address)
-                other = self.router.another_prefill(route, decode, tried_prefill)
-                if not e.retryable or retries == self.max_retries or other is None:
-                    raise
-                retries += 1
-                logger.warning("request %s: %s; prefilling on %s instead", request_id, e, other.node_id)
-                await _pause_if_same(prefill, other, retries)
-                prefill = other
-        holder = prefill  # the prefill node holding prefilled.ticket
+        got = await self._prefill_on_any(route, decode, route.prefill, request_id, prompt_token_ids, params,
+                                         deadline, retries, tried_prefill)
+        if got is None:  # no prefill node can be reached: D prefills it itself (nothing was sent yet)
+            logger.warning("request %s: no prefill node can be reached; %s prefills it", request_id, decode.node_id)
+            async with contextlib.aclosing(self._colocated(decode, request_id, prompt_token_ids, params, deadline,
+                                                           retries)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
+        holder, prefilled = got
+        held = prefilled.ticket  # pinned on `holder` until released
         finished = prefilled.finish_reason is not None or prefilled.ticket is None
         try:
             # inside the try: a client gone right after the first token still releases the ticket
@@ -144,48 +153,110 @@ class PDPipeline:
                     with self.router.decoding(decode):
                         async for out in self.directory.decode_client(decode).generate(
                                 request_id, prompt_token_ids, params, prefilled, deadline):
+                            if not started:
+                                self.directory.mark_alive(decode)
                             started = True
                             finished = out.finish_reason is not None
                             yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id)
                     return
                 except NodeError as e:
-                    if started or not e.retryable or retries == self.max_retries:
-                        raise
-                    retries += 1
-                    # the ticket is spent or stale: give it back, prefill again for a fresh one
-                    assert prefilled.ticket is not None, "an unfinished prefill hands out a ticket"
-                    await self.directory.prefill_client(holder).release(prefilled.ticket)
-                    if e.code == grpc.StatusCode.UNAVAILABLE:  # D itself is unreachable
-                        other_decode = self.router.another_decode({decode.address}) or decode
-                        await _pause_if_same(decode, other_decode, retries)
-                        decode = other_decode
-                    tried_prefill.add(prefill.address)
-                    prefill = self.router.another_prefill(route, decode, tried_prefill) or prefill
-                    logger.warning("request %s: %s; prefilling again on %s for %s", request_id, e,
-                                   prefill.node_id, decode.node_id)
-                    again = await self._prefill(prefill, f"{request_id}-retry{retries}", prompt_token_ids, params,
-                                                deadline)
-                    if again.ticket is None:
-                        raise
-                    prefilled = Prefilled(prefilled.first_token, prefilled.first_logprobs, None,
-                                          prefilled.num_cached_tokens, again.ticket)
-                    holder = prefill
+                    failure = e
+                self._note_failure(decode, failure)
+                if started or not failure.retryable or not retries.spend():
+                    raise failure
+                # the ticket is spent or stale: give it back, prefill again for a fresh one
+                assert held is not None, "an unfinished prefill hands out a ticket"
+                await self.directory.prefill_client(holder).release(held)
+                held = None
+                if failure.code == grpc.StatusCode.UNAVAILABLE:  # D itself is unreachable
+                    other_decode = self.router.another_decode({decode.address}) or decode
+                    await _pause_if_same(decode, other_decode, retries.used)
+                    decode = other_decode
+                tried_prefill.add(holder.address)
+                logger.warning("request %s: %s; prefilling again for %s", request_id, failure, decode.node_id)
+                got = await self._prefill_on_any(route, decode, None, f"{request_id}-retry{retries.used}",
+                                                 prompt_token_ids, params, deadline, retries, tried_prefill)
+                if got is None:
+                    break
+                holder, again = got
+                if again.ticket is None:
+                    raise failure
+                prefilled = Prefilled(prefilled.first_token, prefilled.first_logprobs, None,
+                                      prefilled.num_cached_tokens, again.ticket)
+                held = again.ticket
+            # no prefill node can be reached: D goes on alone from the prompt and the first token already sent
+            logger.warning("request %s: no prefill node can be reached; %s continues it alone", request_id,
+                           decode.node_id)
+            finished = True  # the colocated stream cleans up after itself
+            rest = dataclasses.replace(params, min_tokens=max(0, params.min_tokens - 1),
+                                       max_tokens=None if params.max_tokens is None else params.max_tokens - 1)
+            async with contextlib.aclosing(self._colocated(decode, request_id, [*prompt_token_ids,
+                                                                                prefilled.first_token],
+                                                           rest, deadline, retries)) as chunks:
+                async for chunk in chunks:
+                    yield dataclasses.replace(chunk, num_cached_tokens=None)
         finally:
             if not finished:
                 # client gone, deadline or error: stop D's work and free P's pinned blocks
                 await asyncio.shield(_cleanup(self.directory.decode_client(decode),
-                                              self.directory.prefill_client(holder), request_id, prefilled))
+                                              self.directory.prefill_client(holder), request_id, held))
+
+    async def _prefill_on_any(self, route: Route, decode: NodeView, first: NodeView | None, request_id: str,
+                              prompt_token_ids: list[int], params: SamplingParams, deadline: float,
+                              retries: _Retries, tried: set[str]) -> tuple[NodeView, Prefilled] | None:
+        """Prefills on `first` (None: the best P for `decode`), then on others while the failures are retryable
+        and retries are left. None when no prefill node is left to try: every one is unreachable or gone."""
+        node = first or self.router.another_prefill(route, decode, tried)
+        while node is not None:
+            try:
+                return node, await self._prefill(node, request_id, prompt_token_ids, params, deadline)
+            except NodeError as e:
+                failure = e
+            self._note_failure(node, failure)
+            tried.add(node.address)
+            if not failure.retryable:
+                raise failure
+            other = self.router.another_prefill(route, decode, tried)
+            if other is None:
+                return None
+            if not retries.spend():
+                raise failure
+            logger.warning("request %s: %s; prefilling on %s instead", request_id, failure, other.node_id)
+            await _pause_if_same(node, other, retries.used)
+            node = other
+        return None
 
     async def _prefill(self, node: NodeView, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float) -> Prefilled:
         client = self.directory.prefill_client(node)
         with self.router.prefilling(node, len(prompt_token_ids)):
             try:
-                return await client.prefill(request_id, prompt_token_ids, params, deadline)
+                prefilled = await client.prefill(request_id, prompt_token_ids, params, deadline)
             except asyncio.CancelledError:
                 # the client went away mid-prefill: P may already hold (or be about to pin) blocks for it
                 await asyncio.shield(client.abort(request_id))
                 raise
+        self.directory.mark_alive(node)
+        return prefilled
+
+    def _note_failure(self, node: NodeView, failure: NodeError) -> None:
+        if failure.unreachable:
+            self.directory.mark_down(node)
+
+
+@dataclass
+class _Retries:
+    """A request's retries, shared by its prefill and decode attempts."""
+
+    limit: int
+    used: int = 0
+
+    def spend(self) -> bool:
+        """Takes one retry; False when none is left."""
+        if self.used >= self.limit:
+            return False
+        self.used += 1
+        return True
 
 
 async def _pause_if_same(failed: NodeView, chosen: NodeView, retries: int) -> None:
@@ -195,10 +266,10 @@ async def _pause_if_same(failed: NodeView, chosen: NodeView, retries: int) -> No
         await asyncio.sleep(RETRY_PAUSE_S * retries)
 
 
-async def _cleanup(decode: DecodeClient, prefill: PrefillClient, request_id: str, prefilled: Prefilled) -> None:
+async def _cleanup(decode: DecodeClient, prefill: PrefillClient, request_id: str, ticket: KVTicket | None) -> None:
     await decode.abort(request_id)
-    if prefilled.ticket is not None:
-        await prefill.release(prefilled.ticket)
+    if ticket is not None:
+        await prefill.release(ticket)
 
 
 def add_routing_args(parser: argparse.ArgumentParser) -> None:

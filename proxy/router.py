@@ -2,7 +2,8 @@
 
 Policies (`--routing`):
 - `prefix_load` (default): the cost model below.
-- `round_robin`: the fallback: nodes in turn, always disaggregated, no scores (health still counts).
+- `round_robin`: the fallback: nodes in turn, always disaggregated, no scores (health still counts); colocated
+  only when no prefill node can take the request.
 
 The cost model, for a prompt of L tokens (its full blocks hashed as the nodes hash them):
   hit(n)    prompt tokens in the leading blocks node n's prefix cache holds (prefix index), at most L - 1:
@@ -118,8 +119,9 @@ class Router:
             raise NoHealthyNodes("no healthy decode node")
         if self.config.policy is RoutingPolicy.ROUND_ROBIN:
             decode = self._next(Role.DECODE, decode_nodes)
-            prefill = self._next(Role.PREFILL, self._prefill_candidates(decode))
-            route = Route(Mode.DISAGGREGATED, decode, prefill, num_tokens, hashes)
+            prefill_nodes = self._prefill_candidates(decode)
+            route = (Route(Mode.DISAGGREGATED, decode, self._next(Role.PREFILL, prefill_nodes), num_tokens, hashes)
+                     if prefill_nodes else Route(Mode.COLOCATED, decode, None, num_tokens, hashes))
         else:
             route = self._route_by_cost(num_tokens, hashes, decode_nodes)
         self.decision_counts[route.mode.value] += 1

@@ -11,24 +11,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from engine.output_processor import OutputDelta, OutputProcessor
 from engine.types import PositionLogprobs, SamplingParams
 from proxy.clients import NodeError
-from proxy.errors import NoHealthyNodes, Overloaded
+from proxy.errors import NoHealthyNodes, Overloaded, without_addresses
 from proxy.metrics import ProxyMetrics
 from proxy.openai_api import APIError
 from proxy.pd import PDPipeline, TokenChunk
+from proxy.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from proxy.responses import MIN_LOGPROB, ChoiceDelta, TokenLogprob, finite
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Threads that decode and tokenize request bodies. More than one, so that one huge body does not hold up the
+# requests behind it; Hugging Face's fast tokenizers release the GIL while they encode.
+DEFAULT_TOKENIZER_THREADS = 4
 
 _STATUS_OF_NODE_ERROR = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -39,8 +47,10 @@ _STATUS_OF_NODE_ERROR = {
 
 @dataclass
 class ProxyState:
-    """What the HTTP layer serves with. `max_model_len` bounds prompt + max_tokens (HTTP 413 beyond);
-    `max_num_requests` bounds the choices in flight at this proxy (HTTP 429 beyond)."""
+    """What the HTTP layer serves with. `max_model_len` bounds prompt + max_tokens (HTTP 400 beyond);
+    `max_num_requests` bounds the choices in flight at this proxy (HTTP 429 beyond); `max_request_body_bytes`
+    a request's body (HTTP 413 beyond). Bodies are decoded and tokenized on `tokenizer_threads` threads, never
+    on the event loop, so that a big one stalls no stream and no health check."""
 
     pipeline: PDPipeline
     tokenizer: Any
@@ -49,13 +59,27 @@ class ProxyState:
     max_model_len: int | None = None
     api_key: str | None = None
     max_num_requests: int | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     metrics: ProxyMetrics = field(init=False)  # each state its own registry: several apps fit in one process
     num_running: int = field(init=False, default=0)  # choices in flight
     # each token's text on its own (for logprobs), shared by every request's OutputProcessor
     token_texts: dict[int, str] = field(init=False, default_factory=dict, repr=False)
+    _executor: ThreadPoolExecutor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.max_request_body_bytes <= 0 or self.tokenizer_threads <= 0:
+            raise ValueError("max_request_body_bytes and tokenizer_threads must be positive")
         self.metrics = ProxyMetrics(self.served_model_name)
+        # threads start on first use and end with close() (or the process)
+        self._executor = ThreadPoolExecutor(self.tokenizer_threads, thread_name_prefix="proxy-tokenize")
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on a tokenizer thread: CPU-heavy request preparation that must not block the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(work, *args))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True)
@@ -89,9 +113,18 @@ def api_error(e: Exception) -> APIError:
         kind = {429: "rate_limit_error", 503: "service_unavailable"}.get(
             status, "invalid_request_error" if status < 500 else "server_error")
         headers = {"Retry-After": "1"} if status in (429, 503) else None
-        return APIError(status, str(e), code=e.code.name.lower(), kind=kind, headers=headers)
+        return APIError(status, _client_message(e), code=e.code.name.lower(), kind=kind, headers=headers)
     logger.exception("internal error", exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}", code="internal_error", kind="server_error")
+
+
+def _client_message(e: NodeError) -> str:
+    """What a client is told of a node's failure: never the node's address (the log has it, with the whole
+    error), nor the transport's own words for an unreachable node."""
+    if e.unreachable:
+        return f"a {e.role} node could not be reached; retry later"
+    address = e.node.split(" ", 1)[1] if " " in e.node else ""
+    return f"the {e.role} node failed the request: {without_addresses(e.message, (address,))}"
 
 
 def _feed(output: OutputProcessor, chunk: TokenChunk) -> list[OutputDelta]:
@@ -142,7 +175,7 @@ async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival:
                 return  # after a stop string, closing the stream aborts the rest on the nodes
     except Exception as e:
         error = api_error(e)
-        if error.status >= 500:
+        if error.status >= 500 or isinstance(e, NodeError):  # the node's address is told here, not to the client
             logger.warning("request %s choice %d failed: %s", request_id, sub.index, e)
         recorder.fail(error.code or str(error.status))
         raise error from e

@@ -66,13 +66,16 @@ class Process:
         return self.popen.poll() is None
 
 
+def node_args(model: Path, port: int, backend: str = "nixl") -> list[str]:
+    """A test node's flags: a small KV pool (64 blocks of 4 tokens), float32, quiet logs."""
+    return ["--model", str(model), "--dtype", "float32", "--port", str(port), "--kv-backend", backend,
+            "--block-size", "4", "--num-kv-blocks", "64", "--max-num-seqs", "8", "--log-level", "WARNING"]
+
+
 def start_node(role: str, model: Path, backend: str, log_dir: Path, extra: list[str] | None = None,
                env: dict[str, str] | None = None, port: int | None = None) -> tuple[Process, str]:
     port = port or free_port()
-    args = ["--model", str(model), "--dtype", "float32", "--port", str(port), "--kv-backend", backend,
-            "--block-size", "4", "--num-kv-blocks", "64", "--max-num-seqs", "8", "--log-level", "WARNING",
-            *(extra or [])]
-    process = Process(f"{role}_node", args, log_dir, env)
+    process = Process(f"{role}_node", [*node_args(model, port, backend), *(extra or [])], log_dir, env)
     process.wait_for_line("READY")
     return process, f"127.0.0.1:{port}"
 

@@ -83,10 +83,14 @@ def test_an_unknown_model_gets_404(cluster: Cluster) -> None:
     assert e.value.code == "model_not_found"
 
 
-def test_a_prompt_beyond_the_context_gets_413(cluster: Cluster) -> None:
-    with pytest.raises(openai.APIStatusError) as e:  # max_position_embeddings = 256
+def test_a_prompt_beyond_the_context_gets_400_with_openais_message(cluster: Cluster) -> None:
+    with pytest.raises(openai.BadRequestError) as e:  # max_position_embeddings = 256
         cluster.client().completions.create(model=cluster.model.name, prompt=[5] * 250, max_tokens=10)
-    assert e.value.status_code == 413 and e.value.code == "context_length_exceeded"
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    # OpenAI's wording, numbers from arithmetic on the request
+    assert e.value.message == ("This model's maximum context length is 256 tokens. However, you requested 260 tokens "
+                               "(250 in the prompt, 10 in the completion). Please reduce the length of the prompt or "
+                               "completion.")
     r = cluster.client().completions.create(model=cluster.model.name, prompt=[5] * 240, max_tokens=10,
                                             temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 10

@@ -1,5 +1,6 @@
 """The pipeline's failure handling with scripted nodes: prefill retried on another P, a failed handoff
-prefilled again for a fresh ticket, no replay once D has streamed, cleanup when the client goes away."""
+prefilled again for a fresh ticket, no replay once D has streamed, cleanup when the client goes away, and
+unreachable nodes left out of routing (the colocated fallback when no prefill node is left)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from engine.types import FinishReason, SamplingParams
 from proxy.clients import Decoded, NodeError, Prefilled
+from proxy.dead_nodes import DeadNodes
 from proxy.directory import NodeView
 from proxy.pd import PDPipeline, TokenChunk
 from proxy.prefix_index import PrefixIndex
@@ -32,18 +34,25 @@ def retryable(node: str, code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> Nod
     return NodeError(node, code, "transfer failed", retryable=True)
 
 
+def unreachable(node: str) -> NodeError:
+    """What the gRPC client raises for a node that is not there (connection refused)."""
+    return NodeError(node, grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", retryable=True,
+                     unreachable=True)
+
+
 @dataclass
 class FakePrefill:
     name: str
-    failures: list[NodeError] = field(default_factory=list)  # raised by the next prefills, in order
+    failures: list[NodeError | None] = field(default_factory=list)  # per prefill, in order: fail, or None: answer
     calls: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # ticket ids
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float
                       ) -> Prefilled:
         self.calls.append(request_id)
-        if self.failures:
-            raise self.failures.pop(0)
+        failure = self.failures.pop(0) if self.failures else None
+        if failure is not None:
+            raise failure
         return Prefilled(7, None, None, 4, ticket(f"ticket-{self.name}-{len(self.calls)}"))
 
     async def release(self, ticket: KVTicket) -> None:
@@ -57,10 +66,14 @@ class FakeDecode:
     fail_after_first: bool = False
     tickets: list[str | None] = field(default_factory=list)  # ticket ids; None for colocated requests
     aborted: list[str] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
+    max_tokens: list[int | None] = field(default_factory=list)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, prefilled: Prefilled | None,
                        deadline: float) -> AsyncIterator[Decoded]:
         self.tickets.append(prefilled.ticket.ticket_id if prefilled is not None and prefilled.ticket else None)
+        self.prompts.append(list(prompt))
+        self.max_tokens.append(params.max_tokens)
         failure = self.script.pop(0) if self.script else None
         if failure is not None:
             raise failure
@@ -80,6 +93,7 @@ class FakeDirectory:
     prefill: dict[str, FakePrefill]
     decode: dict[str, FakeDecode]
     index: PrefixIndex = field(default_factory=PrefixIndex)
+    dead: DeadNodes = field(default_factory=DeadNodes)  # the real dead-node cache, as NodeDirectory holds it
 
     async def start(self) -> None:
         return None
@@ -87,7 +101,13 @@ class FakeDirectory:
     def nodes(self, role: Role) -> list[NodeView]:
         names = self.prefill if role is Role.PREFILL else self.decode
         return [NodeView(name, role, name, "L", NodeCapacity(100, 8, 256, 4), NodeLoad(100, 0, 0, 0))
-                for name in names]
+                for name in names if not self.dead.is_down(name)]
+
+    def mark_down(self, node: NodeView) -> None:
+        self.dead.mark_down(node.address)
+
+    def mark_alive(self, node: NodeView) -> None:
+        self.dead.mark_alive(node.address)
 
     def prefill_client(self, node: NodeView) -> FakePrefill:
         return self.prefill[node.address]
@@ -179,3 +199,54 @@ def test_a_client_that_goes_away_aborts_on_d_and_releases_on_p() -> None:
     p1, d = FakePrefill("p1"), FakeDecode("d1")
     chunks = run(pipeline(FakeDirectory({"p1": p1}, {"d1": d})), take=2)
     assert tokens(chunks) == [7, 8] and d.aborted == ["r"] and p1.released == ["ticket-p1-1"]
+
+
+# ---- unreachable nodes ----
+def test_an_unreachable_prefill_node_is_left_out_of_routing_at_once() -> None:
+    p1, p2 = FakePrefill("p1", [unreachable("p1")]), FakePrefill("p2")
+    directory = FakeDirectory({"p1": p1, "p2": p2}, {"d1": FakeDecode("d1")})
+    p = pipeline(directory)
+    assert tokens(run(p)) == [7, 8, 9] and len(p1.calls) == 1 and len(p2.calls) == 1
+    for _ in range(3):  # the next requests go straight to p2, not to p1 first
+        assert tokens(run(p)) == [7, 8, 9]
+    assert len(p1.calls) == 1 and len(p2.calls) == 4 and directory.dead.is_down("p1")
+
+
+def test_with_no_prefill_node_left_the_decode_node_prefills_the_request() -> None:
+    p1 = FakePrefill("p1", [unreachable("p1")])
+    d = FakeDecode("d1")
+    directory = FakeDirectory({"p1": p1}, {"d1": d})
+    p = pipeline(directory)
+    chunks = run(p)
+    assert tokens(chunks) == [7, 8, 9] and chunks[0].num_cached_tokens == 12  # D's own first token and prefix hit
+    assert d.tickets == [None] and d.prompts == [PROMPT]
+    assert tokens(run(p)) == [7, 8, 9]  # routed colocated at once: p1 is not tried again
+    assert len(p1.calls) == 1 and d.tickets == [None, None] and p.router.decision_counts["colocated"] == 1
+
+
+def test_a_handoff_whose_prefill_node_died_continues_on_the_decode_node_from_the_first_token() -> None:
+    # D's pull fails (P died after its first token), and P cannot be reached to prefill again
+    p1 = FakePrefill("p1", [None, unreachable("p1")])  # the first prefill answers; the second finds P gone
+    d = FakeDecode("d1", script=[retryable("d1"), None])
+    chunks = run(pipeline(FakeDirectory({"p1": p1}, {"d1": d})))
+    # the first token came from P once; D continues from prompt + that token, one token fewer to generate
+    assert tokens(chunks)[0] == 7 and d.prompts[1] == [*PROMPT, 7] and d.max_tokens == [3, 2]
+    assert d.tickets == ["ticket-p1-1", None] and p1.released == ["ticket-p1-1"]
+    assert all(c.num_cached_tokens is None for c in chunks[1:])
+
+
+def test_the_dead_node_cache_backs_off_longer_while_a_node_stays_dead_and_forgets_it_when_alive() -> None:
+    now = [0.0]
+    dead = DeadNodes(base_s=1.0, max_s=4.0, clock=lambda: now[0])
+    assert dead.mark_down("p") == 1.0 and dead.is_down("p")
+    now[0] = 0.5
+    assert dead.mark_down("p") == 0.5  # a request in flight at the same time: no longer
+    now[0] = 1.0
+    assert not dead.is_down("p")  # offered again: one request tries it
+    assert dead.mark_down("p") == 2.0 and dead.is_down("p")
+    now[0] = 3.0
+    assert dead.mark_down("p") == 4.0
+    now[0] = 7.0
+    assert dead.mark_down("p") == 4.0  # capped
+    dead.mark_alive("p")
+    assert not dead.is_down("p") and dead.mark_down("p") == 1.0  # alive in between: a short back-off again

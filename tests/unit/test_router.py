@@ -171,7 +171,7 @@ def test_every_decode_node_saturated_is_overloaded() -> None:
 
 
 # ---- round robin ----
-def test_round_robin_takes_nodes_in_turn_and_always_disaggregates() -> None:
+def test_round_robin_takes_nodes_in_turn_and_disaggregates_while_a_prefill_node_is_up() -> None:
     table = Table([node("d1", Role.DECODE), node("d2", Role.DECODE), node("p1", Role.PREFILL),
                    node("p2", Role.PREFILL)])
     warm(table, "d1", SHORT)
@@ -180,5 +180,6 @@ def test_round_robin_takes_nodes_in_turn_and_always_disaggregates() -> None:
     assert [x.decode.node_id for x in routes] == ["d1", "d2", "d1", "d2"]
     assert [x.prefill.node_id for x in routes if x.prefill] == ["p1", "p2", "p1", "p2"]
     assert all(x.mode is Mode.DISAGGREGATED for x in routes) and r.decision_counts == {"disaggregated": 4}
-    with pytest.raises(NoHealthyNodes):
-        router(Table([node("d1", Role.DECODE)]), policy=RoutingPolicy.ROUND_ROBIN).route(SHORT)
+    # no prefill node: the decode node prefills (as prefix_load does), rather than a 503
+    alone = router(Table([node("d1", Role.DECODE)]), policy=RoutingPolicy.ROUND_ROBIN).route(LONG)
+    assert alone.mode is Mode.COLOCATED and alone.prefill is None and alone.decode.node_id == "d1"
