@@ -5,9 +5,9 @@ P (the pool's owner): `export_pool` shares the storage under the KV pool once, w
 a `CudaShare`: plain bytes and ints that travel in the envelope (never pickled).
 D (the reader): `import_pool` maps a peer's pool once, at add_peer (`UntypedStorage._new_shared_cuda`, what
 torch.multiprocessing's `rebuild_cuda_tensor` calls), as a uint8 [num_blocks, block_bytes] tensor on D's own GPU
-(another GPU of the host is reached peer to peer); `CudaCopier.start` enqueues one device copy per coalesced run
-on a dedicated stream (`torch._foreach_copy_` over the runs' views: a few kernel launches for any number of
-runs) and records an event, which `poll` queries.
+(another GPU of the host is reached peer to peer); `CudaCopier.start` enqueues the read's block copies on a
+dedicated stream (one kernel launch for any number of runs: kvtransfer/gpu_copy.py) and records an event, which
+`poll` queries.
 
 Fencing:
 - P's writes: P synchronizes its KV writes before any ticket leaves it (it reads the first token on the host after
@@ -28,6 +28,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtransfer.base import KVRegion
@@ -111,17 +112,13 @@ def import_pool(share: CudaShare, *, same_process: bool, socket_name: str, devic
 
 
 def copy_runs(local: torch.Tensor, remote: torch.Tensor, runs: BlockRuns) -> None:
-    """local[l : l + n] = remote[r : r + n] for every run (r, l, n), enqueued on the current stream."""
-    local_views = [local.narrow(0, start, length)
-                   for start, length in zip(runs.local_starts.tolist(), runs.lengths.tolist(), strict=True)]
-    remote_views = [remote.narrow(0, start, length)
-                    for start, length in zip(runs.remote_starts.tolist(), runs.lengths.tolist(), strict=True)]
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    if foreach_copy is not None:
-        foreach_copy(local_views, remote_views, non_blocking=True)
-        return
-    for destination, source in zip(local_views, remote_views, strict=True):
-        destination.copy_(source, non_blocking=True)
+    """local[l : l + n] = remote[r : r + n] for every run (r, l, n), in one kernel launch on the current stream
+    (kvtransfer/gpu_copy.py says why not one copy per run)."""
+    from kvtransfer.gpu_copy import copy_blocks  # triton: only once a GPU pool is read
+
+    remote_ids, local_ids = runs.block_indices()
+    ids = torch.from_numpy(np.stack((local_ids, remote_ids))).to(local.device, non_blocking=True)
+    copy_blocks(local, remote, ids[0], ids[1])
 
 
 class CudaCopier:
