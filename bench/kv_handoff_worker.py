@@ -308,7 +308,10 @@ def measure(results: Connection, link: Connection | None, spec: WorkerSpec) -> N
         if mover is not None:
             mover.close()
         if link is not None:
-            link.send(("stop", None))
+            try:
+                link.send(("stop", None))
+            except OSError:  # P is gone already (it could not start)
+                pass
 
 
 def _measure_case(mover: _Mover, case: Case, spec: WorkerSpec) -> dict[str, Any]:

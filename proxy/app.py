@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -126,6 +126,9 @@ def create_app(state: ProxyState) -> Starlette:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # left while sending its body: nobody reads an answer
+
     async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return _error_response(APIError(500, "internal error", code="internal_error", kind="server_error"))
@@ -144,7 +147,7 @@ def create_app(state: ProxyState) -> Starlette:
         Route("/v1/models", models), Route("/v1/models/{model:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ], exception_handlers={HTTPException: http_error, Exception: internal_error})
+    ], exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone, Exception: internal_error})
 
 
 # ---- the request edge ----

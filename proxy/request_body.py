@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -26,6 +27,10 @@ from proxy.openai_api import APIError, bad_request
 # (bytes, str, token ids) while it is tokenized. Like vLLM's front end, the limit is a flag: raise it for
 # longer contexts.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+
+# JSON makes a surrogate only from a \u escape (raw UTF-8 cannot hold one): a body without such an escape
+# needs no search (a big list of token ids is not walked item by item)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def body_too_large(limit: int) -> APIError:
@@ -59,7 +64,7 @@ def decode_json(raw: bytes) -> Any:
         raise bad_request("the request body nests JSON too deeply") from None
     except ValueError as e:  # also UnicodeDecodeError, and integers beyond Python's digit limit
         raise bad_request(f"the request body is not valid JSON: {_describe(e)}") from None
-    found = lone_surrogate_at(value)
+    found = lone_surrogate_at(value) if _SURROGATE_ESCAPE.search(raw) else None
     if found is not None:
         where, param = found
         raise bad_request(f"{where[:200]} holds a lone UTF-16 surrogate, which is not valid Unicode text", param)

@@ -88,9 +88,9 @@ def test_a_prompt_beyond_the_context_gets_400_with_openais_message(cluster: Clus
         cluster.client().completions.create(model=cluster.model.name, prompt=[5] * 250, max_tokens=10)
     assert e.value.status_code == 400 and e.value.code == "context_length_exceeded" and e.value.param == "prompt"
     # OpenAI's wording, numbers from arithmetic on the request
-    assert e.value.message == ("This model's maximum context length is 256 tokens. However, you requested 260 tokens "
-                               "(250 in the prompt, 10 in the completion). Please reduce the length of the prompt or "
-                               "completion.")
+    assert e.value.response.json()["error"]["message"] == (
+        "This model's maximum context length is 256 tokens. However, you requested 260 tokens (250 in the prompt, "
+        "10 in the completion). Please reduce the length of the prompt or completion.")
     r = cluster.client().completions.create(model=cluster.model.name, prompt=[5] * 240, max_tokens=10,
                                             temperature=0, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 10
@@ -130,6 +130,7 @@ def test_no_reachable_nodes_gets_503(tiny_model: TinyModelFactory) -> None:
             with pytest.raises(openai.InternalServerError) as e:
                 await client.chat.completions.create(model="tiny", messages=CHAT)
             assert e.value.status_code == 503 and e.value.code == code
+            assert "127.0.0.1" not in str(e.value.body)  # the proxy's log has the address, the client not
             with pytest.raises(openai.InternalServerError):
                 await client.completions.create(model="tiny", prompt="x", stream=True)
             assert (await http.get("/health")).status_code == 503

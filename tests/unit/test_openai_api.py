@@ -121,6 +121,20 @@ def test_node_errors_map_to_http_statuses() -> None:
     assert status(grpc.StatusCode.RESOURCE_EXHAUSTED) == 429 and status(grpc.StatusCode.DATA_LOSS) == 502
 
 
+def test_node_errors_reach_clients_without_internal_addresses() -> None:
+    gone = NodeError("prefill 10.0.0.7:50051", grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; "
+                     "last error: UNKNOWN: ipv4:10.0.0.7:50051: Connection refused", retryable=True, unreachable=True)
+    failed = NodeError("decode p-0.tandem.svc.cluster.local:50052", grpc.StatusCode.ABORTED,
+                       "KV transfer failed: peer 10.0.0.8:15002 (p-0.tandem.svc.cluster.local:50052) closed",
+                       retryable=True)
+    for error, status in ((gone, 503), (failed, 502)):
+        e = api_error(error)
+        assert e.status == status and e.code == error.code.name.lower()
+        for internal in ("10.0.0.", "50051", "50052", "15002", "svc.cluster"):
+            assert internal not in e.message, e.message
+    assert api_error(failed).message.startswith("the decode node failed the request: KV transfer failed")
+
+
 class ScriptedPipeline(PDPipeline):
     """A PDPipeline (with a real, empty directory and router) whose requests are scripted, to test the proxy's
     bookkeeping: each request streams `token_ids` as one-token chunks (choice 1 fails at its `fail_at`th), the
