@@ -112,11 +112,15 @@ def serve(config: ServeConfig) -> None:
         # the cluster-wide settings go to every node as flags (and the hashing ones to the proxy); a cluster on
         # one machine takes the loopback transport unless the user chose one
         # on machines with GPUs each node gets its GPU (or its share of one) from Ray; elsewhere it runs on CPU
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        num_gpus = int(ray.cluster_resources().get("GPU", 0))
+        has_gpus = num_gpus > 0
+        config = config.placed_on(num_gpus)
+        assert config.node_gpus is not None or not has_gpus, "placed_on decides node_gpus on GPU machines"
         launch = NodeLaunch(model=str(model.resolve()), registry_url=registry_url,
                             cluster=config.node_settings(on_one_machine=local),
                             environment=config.node_environment(on_one_machine=local), tp=config.tp,
-                            cpus_per_node=config.node_cpus, gpus_per_rank=config.node_gpus if has_gpus else 0.0,
+                            cpus_per_node=config.node_cpus,
+                            gpus_per_rank=(config.node_gpus or 0.0) if has_gpus else 0.0,
                             gpu_memory_utilization=config.node_gpu_memory_utilization(), bind_loopback=local,
                             extra_args=tuple(shlex.split(config.node_args)), log_dir=str(log_dir))
         pools = PoolManager(launch, {"prefill": 0, "decode": 0}, startup_timeout_s=config.startup_timeout)

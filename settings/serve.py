@@ -4,6 +4,7 @@ cluster-wide ones (`settings.cluster`) that it hands to every node and the proxy
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import shlex
 from dataclasses import dataclass
@@ -38,10 +39,12 @@ class ServeConfig:
                                    metavar="URL")
     admin_port: int = setting(0, "port of the admin API on 127.0.0.1 (0: any free port)", minimum=0, metavar="PORT")
     node_cpus: float = setting(0.5, "CPUs reserved per node in its placement group", minimum=0.01, metavar="CPUS")
-    node_gpus: float = setting(
-        1.0, "on machines with GPUs, the GPUs each node takes per tensor-parallel rank: Ray places it and the node "
-             "sees its GPU as cuda. A fraction shares a GPU (0.5: two nodes on each); 0 runs the nodes on CPU. "
-             "Ignored on machines without GPUs", minimum=0.0, metavar="GPUS")
+    node_gpus: float | None = setting(
+        None, "on machines with GPUs, the GPUs each node takes per tensor-parallel rank: Ray places it and the node "
+              "sees its GPU as cuda. A fraction shares a GPU (0.5: two nodes on each); 0 runs the nodes on CPU "
+              "(default: a whole GPU each where the machine has enough, else an equal share, e.g. 0.5 for one "
+              "prefill and one decode node on one GPU). Ignored on machines without GPUs", minimum=0.0,
+        metavar="GPUS")
     gpu_memory_utilization: float | None = setting(
         None, "the fraction of its GPU's memory each node may use, as vLLM's (default: 0.9, or 0.9 x --node-gpus "
               "for nodes sharing a GPU, e.g. 0.45 for 0.5). Ignored on CPU", minimum=0.01, metavar="F")
@@ -61,13 +64,13 @@ class ServeConfig:
             _refuse_cluster_flags(getattr(self, name), f"--{name.replace('_', '-')}")
         if self.transport_env is not None:
             parse_env_assignments(self.transport_env)
-        if self.node_gpus > 1 and not self.node_gpus.is_integer():
+        if self.node_gpus is not None and self.node_gpus > 1 and not self.node_gpus.is_integer():
             raise ConfigError(f"--node-gpus: a node takes a share of one GPU or whole GPUs, not {self.node_gpus:g}")
         if self.gpu_memory_utilization is not None:
             if self.gpu_memory_utilization > 1:
                 raise ConfigError(f"--gpu-memory-utilization: a fraction of the GPU's memory, at most 1, got "
                                   f"{self.gpu_memory_utilization:g}")
-            if 0 < self.node_gpus < 1 and self.gpu_memory_utilization > self.node_gpus:
+            if self.node_gpus is not None and 0 < self.node_gpus < 1 and self.gpu_memory_utilization > self.node_gpus:
                 raise ConfigError(
                     f"--gpu-memory-utilization {self.gpu_memory_utilization:g} is more than a node's share of its "
                     f"GPU (--node-gpus {self.node_gpus:g}): nodes sharing a GPU would run it out of memory")
@@ -76,9 +79,19 @@ class ServeConfig:
         """What each node on a GPU is told to take of it (None: the node's own default, 0.9)."""
         if self.gpu_memory_utilization is not None:
             return self.gpu_memory_utilization
-        if 0 < self.node_gpus < 1:
+        if self.node_gpus is not None and 0 < self.node_gpus < 1:
             return round(NODE_GPU_MEMORY_UTILIZATION * self.node_gpus, 4)
         return None
+
+    def placed_on(self, num_gpus: int) -> ServeConfig:
+        """These settings with `node_gpus` decided for a machine (or Ray cluster) of `num_gpus` GPUs: a whole GPU
+        per rank where they suffice, else an equal share (1/k of a GPU), so that a plain `tandem serve` of one
+        prefill and one decode node runs on a one-GPU machine, each node with half its memory."""
+        if self.node_gpus is not None or num_gpus <= 0:
+            return self
+        num_ranks = max(1, (self.prefill_nodes + self.decode_nodes) * self.tp)
+        share = 1.0 if num_ranks <= num_gpus else 1.0 / math.ceil(num_ranks / num_gpus)
+        return dataclasses.replace(self, node_gpus=share)
 
     def node_settings(self, on_one_machine: bool) -> ClusterSettings:
         """What every node is started with; a cluster on one machine takes the loopback transport by default."""

@@ -35,7 +35,7 @@ def serve_config(*argv: str) -> ServeConfig:
 def launched_node(config: ServeConfig, gpus_on_machine: bool) -> argparse.Namespace:
     """What a node of `tandem serve` parses, on a machine with GPUs or without (as cluster/serve.py builds it)."""
     launch = NodeLaunch(model="/m", registry_url="redis://r", cluster=config.cluster,
-                        gpus_per_rank=config.node_gpus if gpus_on_machine else 0.0,
+                        gpus_per_rank=(config.node_gpus or 0.0) if gpus_on_machine else 0.0,
                         gpu_memory_utilization=config.node_gpu_memory_utilization(),
                         extra_args=tuple(config.node_args.split()))
     command = node_command(launch, "prefill", "prefill-0", "127.0.0.1", 1)
@@ -57,15 +57,30 @@ def test_node_engine_flags_default_to_the_offline_llms() -> None:
 
 
 def test_serve_puts_each_node_on_its_gpu_with_its_share_of_the_memory() -> None:
-    node = launched_node(serve_config("--gpu-memory-utilization", "0.4"), gpus_on_machine=True)
+    node = launched_node(serve_config("--gpu-memory-utilization", "0.4").placed_on(2), gpus_on_machine=True)
     assert (node.device, node.gpu_memory_utilization) == ("cuda", 0.4)
     # nodes sharing a GPU take their part of 0.9 unless told
     node = launched_node(serve_config("--node-gpus", "0.5"), gpus_on_machine=True)
     assert (node.device, node.gpu_memory_utilization) == ("cuda", 0.45)
     node = launched_node(serve_config("--node-gpus", "0.25", "--gpu-memory-utilization", "0.2"), gpus_on_machine=True)
     assert node.gpu_memory_utilization == 0.2
-    node = launched_node(serve_config(), gpus_on_machine=True)  # a GPU each: the node's default
+    node = launched_node(serve_config().placed_on(2), gpus_on_machine=True)  # a GPU each: the node's default
     assert (node.device, node.gpu_memory_utilization) == ("cuda", 0.9)
+
+
+@pytest.mark.parametrize(("argv", "num_gpus", "node_gpus"), [
+    ((), 1, 0.5),  # one prefill + one decode node on one GPU: half each
+    ((), 2, 1.0),
+    (("--decode-nodes", "2"), 2, 0.5),  # 3 nodes on 2 GPUs: 2 per GPU
+    (("--tp", "2"), 4, 1.0),
+    (("--node-gpus", "1"), 1, 1.0),  # the user's choice stands (and tandem serve says it does not fit)
+])
+def test_serve_shares_the_gpus_when_there_are_fewer_than_nodes(argv: tuple[str, ...], num_gpus: int,
+                                                              node_gpus: float) -> None:
+    config = serve_config(*argv).placed_on(num_gpus)
+    assert config.node_gpus == node_gpus
+    if node_gpus < 1 and "--node-gpus" not in argv:
+        assert config.node_gpu_memory_utilization() == round(0.9 * node_gpus, 4)
 
 
 def test_serve_runs_nodes_on_cpu_without_gpus_or_with_node_gpus_0() -> None:
