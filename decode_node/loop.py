@@ -75,6 +75,36 @@ class LeaseClient(Protocol):
         """Frees the ticket's blocks on P."""
 
 
+class _LeaseCheck:
+    """D's extension of a ticket's lease on P, in flight while D reserves and pulls."""
+
+    def __init__(self, future: asyncio.Future[bool]) -> None:
+        self.future = future
+        # set on the event loop, read on the engine thread (a plain attribute: no asyncio call from there)
+        self.confirmed = False
+        self.confirmed_early = False
+        future.add_done_callback(self._answered)
+
+    def _answered(self, future: asyncio.Future[bool]) -> None:
+        self.confirmed = self.confirmed_early = (not future.cancelled() and future.exception() is None
+                                                 and future.result() is True)
+
+    @property
+    def answered_not_live(self) -> bool:
+        return self.future.done() and not self.confirmed
+
+    async def live(self) -> bool:
+        try:
+            return bool(await asyncio.shield(self.future))
+        except Exception:  # noqa: BLE001 - the lease client reports RPC failures as False; anything else: not live
+            return False
+
+    @staticmethod
+    def not_live_error(ticket: KVTicket) -> DecodeError:
+        return DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} is not live on its prefill node "
+                                                  "(released, expired, or the node restarted)", retryable=True)
+
+
 class DecodeLoop:
     def __init__(self, engine: AsyncEngine, connector: Connector, region: KVRegion, layout_hash: str,
                  leases: LeaseClient) -> None:
@@ -95,38 +125,32 @@ class DecodeLoop:
         if ticket.layout_hash != self.layout_hash:
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} has KV layout {ticket.layout_hash}, "
                                                      f"this node {self.layout_hash}")
-        started = time.perf_counter()
-        if not await self.leases.extend(ticket, LEASE_EXTENSION_S):
-            raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} is not live on its prefill node "
-                                                     "(released, expired, or the node restarted)", retryable=True)
-        leased = time.perf_counter()
-        request, blocks = await self._reserve(request_id, prompt_token_ids, params, ticket, deadline)
-        reserved = time.perf_counter()
-        try:
-            await self._pull(blocks, ticket, deadline)
-        except BaseException:
-            await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
-            raise
-        logger.debug("request %s: lease %.1f ms, reserve %.1f ms, pull+verify %.1f ms", request_id,
-                     (leased - started) * 1e3, (reserved - leased) * 1e3, (time.perf_counter() - reserved) * 1e3)
-        # P frees the blocks in the background: the second token need not wait for that round trip
-        release = asyncio.ensure_future(self.leases.release(ticket))
-        self._background.add(release)
-        release.add_done_callback(self._background.discard)
-
+        # The lease is confirmed on P while D reserves and pulls (the round trip is off the second token's path):
+        # blocks pulled under a ticket that turns out not to be live are thrown away with the request, never
+        # admitted (their checksums would not match either).
+        lease = _LeaseCheck(asyncio.ensure_future(self.leases.extend(ticket, LEASE_EXTENSION_S)))
         events = self.engine.open_stream(request_id)
         try:
             first = SampledToken(first_token, first_logprobs)
             try:
-                admitted = await self.engine.call(lambda e: e.admit_remote_kv(request_id, first))
-            except ValueError as e:
-                raise DecodeError("CANCELLED", str(e)) from e
+                request, admitted = await self._transfer(request_id, prompt_token_ids, params, ticket, first,
+                                                         lease, deadline)
+            except BaseException as e:
+                await asyncio.shield(self.engine.call(lambda eng: eng.abort(request_id)))
+                if not isinstance(e, asyncio.CancelledError) and not await lease.live():
+                    raise lease.not_live_error(ticket) from e
+                raise
+            # P frees the blocks in the background: the second token need not wait for that round trip
+            release = asyncio.ensure_future(self.leases.release(ticket))
+            self._background.add(release)
+            release.add_done_callback(self._background.discard)
             if admitted.finished:
                 yield DecodeOutput([], [], admitted.finish_reason, admitted.stop_reason)
                 return
             async for out in self._stream(request, events, deadline):
                 yield out
         finally:
+            lease.future.cancel()  # a no-op once answered
             await self._forget(request_id)
 
     async def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -169,31 +193,112 @@ class DecodeLoop:
         # aborting a finished request only forgets it; an unfinished one (client gone) frees its blocks
         await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
 
-    async def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       ticket: KVTicket, deadline: float | None) -> tuple[Request, ReservedBlocks]:
-        def make(engine: LLMEngine) -> Request:
-            request = engine.make_request(request_id, prompt_token_ids, params)
-            expected = -(-len(prompt_token_ids) // engine.block_size)
-            if ticket.num_tokens != len(prompt_token_ids) or len(ticket.block_ids) != expected:
-                raise ValueError(f"ticket {ticket.ticket_id} covers {ticket.num_tokens} tokens in "
-                                 f"{len(ticket.block_ids)} blocks; the prompt has {len(prompt_token_ids)} tokens "
-                                 f"({expected} blocks)")
-            return request
+    async def _transfer(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        ticket: KVTicket, first: SampledToken, lease: _LeaseCheck, deadline: float | None
+                        ) -> tuple[Request, StepOutput]:
+        """Reserves blocks, pulls and verifies the ticket's blocks and admits the request, in as few hops to
+        the engine thread as it takes (each waits for a running step): reserve + read in one, then polls, the
+        one that sees DONE verifying and, when the lease is confirmed by then, admitting too."""
+        started = time.perf_counter()
+        request, blocks, handle = await self._reserve_and_read(request_id, prompt_token_ids, params, ticket,
+                                                               deadline)
+        local = blocks.block_ids[blocks.num_cached_blocks:]
+        expected = ticket.block_checksums[blocks.num_cached_blocks:]
+        read_at = time.perf_counter()
+        stop: list[DecodeError] = []  # set: the request ends as soon as the read is over (until then it writes)
+
+        def check(engine: LLMEngine) -> tuple[TransferStatus, list[int], StepOutput | None]:
+            status = TransferStatus.DONE if handle is None else self.connector.poll(handle)
+            if status is not TransferStatus.DONE:
+                return status, [], None
+            bad = self._verify(local, expected) if local else []
+            admit = not bad and lease.confirmed and not stop
+            return status, bad, engine.admit_remote_kv(request_id, first) if admit else None
 
         try:
-            request = await self.engine.call(make)
-        except ValueError as e:
-            raise DecodeError("INVALID_ARGUMENT", str(e)) from e
+            while True:
+                status, bad, admitted = await self.engine.call(check)
+                if status is not TransferStatus.PENDING:
+                    break
+                if not stop and lease.answered_not_live:
+                    stop.append(lease.not_live_error(ticket))
+                if not stop and deadline is not None and time.time() >= deadline:
+                    stop.append(DecodeError("DEADLINE_EXCEEDED", "the KV transfer outlasted the request's deadline"))
+                await asyncio.sleep(POLL_INTERVAL_S)
+        except TransferError as e:
+            self.num_transfer_failures += 1
+            raise DecodeError("ABORTED", f"KV transfer failed: {e}", retryable=True) from e
+        except ValueError as e:  # admit_remote_kv: the request was aborted meanwhile
+            raise DecodeError("CANCELLED", str(e)) from e
+        except BaseException:  # cancelled (the client went away): the blocks go back only once nothing lands
+            if handle is not None:
+                await asyncio.shield(self._drain(handle))
+            raise
+        if stop:
+            raise stop[0]
+        if status is TransferStatus.FAILED:
+            self.num_transfer_failures += 1
+            reason = self.connector.failure_reason(handle) if handle is not None else None
+            raise DecodeError("ABORTED", f"KV transfer failed: {reason}", retryable=True)
+        if bad:
+            self.num_transfer_failures += 1
+            raise DecodeError("DATA_LOSS", f"KV checksum mismatch in {len(bad)} of {len(local)} pulled blocks of "
+                                           f"ticket {ticket.ticket_id}", retryable=True)
+        if handle is not None:
+            self.num_transferred_bytes += len(local) * self.region.block_bytes
+            self.num_transfers += 1
+            self.transfer_seconds += time.perf_counter() - read_at
+        pulled_at = time.perf_counter()
+        if admitted is None:  # the lease's answer came after the blocks
+            if not await lease.live():
+                raise lease.not_live_error(ticket)
+            try:
+                admitted = await self.engine.call(lambda e: e.admit_remote_kv(request_id, first))
+            except ValueError as e:
+                raise DecodeError("CANCELLED", str(e)) from e
+        logger.debug("request %s: %d blocks; reserve+read %.2f ms, pull+verify %.2f ms, admitted at %.2f ms%s",
+                     request_id, len(local), (read_at - started) * 1e3, (pulled_at - read_at) * 1e3,
+                     (time.perf_counter() - started) * 1e3, "" if lease.confirmed_early else " (after the lease)")
+        return request, admitted
+
+    async def _reserve_and_read(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                                ticket: KVTicket, deadline: float | None
+                                ) -> tuple[Request, ReservedBlocks, TransferHandle | None]:
+        """The request with blocks for its prompt and the READ of those it lacks started (None: it lacks none),
+        waiting (and extending the lease) while the pool is full."""
+        expected_blocks = -(-len(prompt_token_ids) // self.engine.engine.block_size)
+        if ticket.num_tokens != len(prompt_token_ids) or len(ticket.block_ids) != expected_blocks:
+            raise DecodeError("INVALID_ARGUMENT", f"ticket {ticket.ticket_id} covers {ticket.num_tokens} tokens in "
+                                                  f"{len(ticket.block_ids)} blocks; the prompt has "
+                                                  f"{len(prompt_token_ids)} tokens ({expected_blocks} blocks)")
+        try:  # before the transfer: a ticket D cannot verify is not worth pulling
+            for checksum in set(ticket.block_checksums):
+                checksum_algorithm(checksum)
+        except InvalidRequestError as e:
+            raise DecodeError("INVALID_ARGUMENT", f"ticket {ticket.ticket_id} cannot be verified here: {e}") from e
+        made: list[Request] = []
+
+        def reserve_and_read(engine: LLMEngine) -> tuple[Request, ReservedBlocks | None, TransferHandle | None]:
+            if not made:
+                made.append(engine.make_request(request_id, prompt_token_ids, params))
+            blocks = engine.reserve_remote_kv(made[0])
+            if blocks is None or blocks.num_cached_blocks == len(blocks.block_ids):
+                return made[0], blocks, None
+            peer = self.connector.add_peer(ticket.transfer_endpoint)
+            skip = blocks.num_cached_blocks  # our own prefix hits need no transfer
+            return made[0], blocks, self.connector.read(peer, ticket.block_ids[skip:], blocks.block_ids[skip:])
+
         last_extension = time.monotonic()
         while True:
             try:
-                blocks = await self.engine.call(lambda e: e.reserve_remote_kv(request))
-            except asyncio.CancelledError:
-                # the reservation still runs on the engine thread; this abort queues behind it and undoes it
-                await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
-                raise
+                request, blocks, handle = await self.engine.call(reserve_and_read)
+            except ValueError as e:
+                raise DecodeError("INVALID_ARGUMENT", str(e)) from e
+            except TransferError as e:
+                self.num_transfer_failures += 1
+                raise DecodeError("ABORTED", f"KV transfer failed: {e}", retryable=True) from e
             if blocks is not None:
-                return request, blocks
+                return request, blocks, handle
             if deadline is not None and time.time() >= deadline:
                 raise DecodeError("RESOURCE_EXHAUSTED", "no free KV blocks before the deadline", retryable=True)
             if time.monotonic() - last_extension > LEASE_EXTENSION_S / 3:
@@ -203,44 +308,14 @@ class DecodeLoop:
                 last_extension = time.monotonic()
             await asyncio.sleep(0.01)
 
-    async def _pull(self, blocks: ReservedBlocks, ticket: KVTicket, deadline: float | None) -> None:
-        skip = blocks.num_cached_blocks  # our own prefix hits need no transfer
-        remote, local = list(ticket.block_ids[skip:]), blocks.block_ids[skip:]
-        expected = ticket.block_checksums[skip:]
-        if not remote:
-            return
-        try:  # before the transfer: a ticket D cannot verify is not worth pulling
-            for checksum in set(expected):
-                checksum_algorithm(checksum)
-        except InvalidRequestError as e:
-            raise DecodeError("INVALID_ARGUMENT", f"ticket {ticket.ticket_id} cannot be verified here: {e}") from e
-        pull_started = time.perf_counter()
-
-        def start(_: LLMEngine) -> TransferHandle:
-            peer = self.connector.add_peer(ticket.transfer_endpoint)
-            return self.connector.read(peer, remote, local)
-
+    async def _drain(self, handle: TransferHandle) -> None:
+        """Waits until a read is over (DONE or FAILED, at the latest when the connector's read timeout fails it),
+        so that blocks freed after it receive no more bytes."""
         try:
-            handle = await self.engine.call(start)
-            while (status := await self.engine.call(lambda _: self.connector.poll(handle))) is TransferStatus.PENDING:
-                if deadline is not None and time.time() >= deadline:
-                    raise DecodeError("DEADLINE_EXCEEDED", "the KV transfer outlasted the request's deadline")
+            while await self.engine.call(lambda _: self.connector.poll(handle)) is TransferStatus.PENDING:
                 await asyncio.sleep(POLL_INTERVAL_S)
-        except TransferError as e:
-            self.num_transfer_failures += 1
-            raise DecodeError("ABORTED", f"KV transfer failed: {e}", retryable=True) from e
-        if status is TransferStatus.FAILED:
-            self.num_transfer_failures += 1
-            reason = self.connector.failure_reason(handle)
-            raise DecodeError("ABORTED", f"KV transfer failed: {reason}", retryable=True)
-        bad = await self.engine.call(lambda _: self._verify(local, expected))
-        if bad:
-            self.num_transfer_failures += 1
-            raise DecodeError("DATA_LOSS", f"KV checksum mismatch in {len(bad)} of {len(local)} pulled blocks of "
-                                           f"ticket {ticket.ticket_id}", retryable=True)
-        self.num_transferred_bytes += len(local) * self.region.block_bytes
-        self.num_transfers += 1
-        self.transfer_seconds += time.perf_counter() - pull_started
+        except TransferError:
+            pass  # a closed connector has failed (and fenced) its reads
 
     def _verify(self, local: list[int], expected: tuple[str, ...]) -> list[int]:
         # KVTicket guarantees one checksum per block (a ticket without them never gets this far); each block is

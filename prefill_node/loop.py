@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -66,7 +67,12 @@ class PrefillLoop:
         self.incarnation = secrets.randbits(62)  # a restarted node never honours an older ticket
         self.lease_s = lease_s
         self._make_ticket = make_ticket
-        self._leases: dict[str, Lease] = {}  # by ticket id; touched only on the engine thread
+        # by ticket id. Made, dropped and expired on the engine thread (which frees the blocks), extended on the
+        # event loop: an extension must not wait behind a prefill step of P (up to hundreds of ms for a long
+        # prompt) while D holds its second token. The lock makes "extend" and "expire" exclusive, so a lease
+        # whose extension succeeded is not expired by a deadline read before it.
+        self._leases: dict[str, Lease] = {}
+        self._leases_lock = threading.Lock()
         self.num_leases_expired = 0
         engine.add_ticker(self._expire_leases)
 
@@ -124,7 +130,8 @@ class PrefillLoop:
             raise PrefillError("CANCELLED", f"request {request_id} was aborted")
         deadline = time.time() + self.lease_s
         ticket = self._make_ticket(ticket_id, pinned, deadline)
-        self._leases[ticket_id] = Lease(ticket_id, request_id, deadline)
+        with self._leases_lock:
+            self._leases[ticket_id] = Lease(ticket_id, request_id, deadline)
         return ticket
 
     async def release(self, ticket_id: str, incarnation: int) -> bool:
@@ -134,42 +141,43 @@ class PrefillLoop:
         return await self.engine.call(lambda e: self._drop(e, ticket_id))
 
     def _drop(self, engine: LLMEngine, ticket_id: str) -> bool:
-        lease = self._leases.pop(ticket_id, None)
+        with self._leases_lock:
+            lease = self._leases.pop(ticket_id, None)
         if lease is None:
             return False
         engine.free_pinned(lease.request_id)
         return True
 
-    async def extend(self, ticket_id: str, incarnation: int, seconds: float) -> float | None:
-        """Moves a live lease's deadline to now + seconds (at most 10 minutes); None if it is not live."""
+    def extend(self, ticket_id: str, incarnation: int, seconds: float) -> float | None:
+        """Moves a live lease's deadline to now + seconds (at most 10 minutes); None if it is not live. Runs on
+        the caller's thread, without the engine (see _leases)."""
         if incarnation != self.incarnation:
             return None
-
-        def extend(_: LLMEngine) -> float | None:
+        with self._leases_lock:
             lease = self._leases.get(ticket_id)
             if lease is None:
                 return None
             lease.deadline = max(lease.deadline, time.time() + min(max(seconds, 0.0), 600.0))
             return lease.deadline
 
-        return await self.engine.call(extend)
-
     async def abort(self, request_id: str) -> bool:
         def abort(engine: LLMEngine) -> bool:
-            for ticket_id, lease in list(self._leases.items()):
-                if lease.request_id == request_id:
-                    del self._leases[ticket_id]
+            with self._leases_lock:
+                for ticket_id, lease in list(self._leases.items()):
+                    if lease.request_id == request_id:
+                        del self._leases[ticket_id]
             return self.engine.abort(engine, request_id)
 
         return await self.engine.call(abort)
 
     def _expire_leases(self, engine: LLMEngine) -> None:
         now = time.time()
-        for ticket_id, lease in list(self._leases.items()):
-            if lease.deadline < now:
-                logger.warning("lease of ticket %s expired: freeing its blocks", ticket_id)
-                self._drop(engine, ticket_id)
-                self.num_leases_expired += 1
+        with self._leases_lock:
+            expired = [self._leases.pop(t) for t, lease in list(self._leases.items()) if lease.deadline < now]
+        for lease in expired:
+            logger.warning("lease of ticket %s expired: freeing its blocks", lease.ticket_id)
+            engine.free_pinned(lease.request_id)
+            self.num_leases_expired += 1
 
 
 def _finishes_request(first: StepOutput, params: SamplingParams, at_context_limit: bool) -> FinishReason | None:

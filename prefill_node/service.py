@@ -57,7 +57,7 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
 
     async def ExtendLease(self, request: pb.ExtendLeaseRequest, context: grpc.aio.ServicerContext
                           ) -> pb.LeaseResponse:
-        deadline = await self.loop.extend(request.ticket.ticket_id, request.ticket.incarnation, request.seconds)
+        deadline = self.loop.extend(request.ticket.ticket_id, request.ticket.incarnation, request.seconds)
         return pb.LeaseResponse(ok=deadline is not None, lease_deadline=deadline or 0.0)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

@@ -21,6 +21,7 @@ def _pool(num_blocks: int, block_bytes: int, seed: int, offset: int = 0) -> torc
     (6, 0, torch.int16),  # a block size that only 2-byte words divide
     (64, 4, torch.int32),  # a pool that starts 4 bytes into its allocation
     (40960, 0, torch.int64),  # more than one chunk per block, the last one partial
+    (16384 * 5 + 8, 0, torch.int64),  # two programs per block, the second with partial and empty chunks
 ])
 def test_every_named_block_lands_and_no_other_block_changes(block_bytes: int, offset: int,
                                                             word_dtype: torch.dtype) -> None:

@@ -4,6 +4,8 @@ block outliving a cancelled RPC."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -90,5 +92,36 @@ def test_a_prefill_cancelled_at_any_moment_leaves_no_block_pinned(engine: AsyncE
         await asyncio.sleep(0.05)
         free, total = await free_blocks(engine)
         assert free == total and not await engine.call(lambda e: dict(e.requests))
+
+    asyncio.run(run())
+
+
+def test_a_lease_extends_while_the_engine_thread_is_busy_and_not_after_it_expired(engine: AsyncEngine) -> None:
+    # D extends the lease before it pulls: that answer must not wait behind P's prefill step
+    loop = make_loop(engine, lease_s=0.3)
+
+    async def run() -> None:
+        await loop.prefill("r", PROMPT, PARAMS, deadline=None)
+        (ticket_id,) = loop._leases
+        busy, release = threading.Event(), threading.Event()
+
+        def hold(_: LLMEngine) -> None:
+            busy.set()
+            release.wait(5)
+
+        held = asyncio.ensure_future(engine.call(hold))
+        while not busy.is_set():
+            await asyncio.sleep(0.001)
+        before = time.time()
+        deadline = loop.extend(ticket_id, loop.incarnation, 30.0)
+        assert deadline is not None and deadline >= before + 30.0
+        assert loop.extend(ticket_id, loop.incarnation + 1, 30.0) is None  # another incarnation's ticket
+        release.set()
+        await held
+        await asyncio.sleep(0.5)  # past the original 0.3 s lease: the extension keeps it
+        assert loop.num_pinned == 1 and loop.num_leases_expired == 0
+        assert loop.extend(ticket_id, loop.incarnation, 0.0) is not None  # never shortens a lease
+        assert await loop.release(ticket_id, loop.incarnation)
+        assert loop.extend(ticket_id, loop.incarnation, 30.0) is None  # released: not live any more
 
     asyncio.run(run())
