@@ -1,7 +1,7 @@
 """Where the ipc handoff's time goes on a GPU: block-copy kernel variants against a plain copy, the pieces of one
 read through the connector, and the mix64 checksum's cost. One process; prints JSON lines.
 
-    python3 bench/h200/ipc_probe.py > probe.jsonl
+    python3 bench/h200/ipc_probe.py [--variants] > probe.jsonl     # --variants: the kernel sweep (2 minutes)
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def scattered_ids(num_blocks: int, seed: int) -> np.ndarray:
     return np.array([b for run in runs for b in run][:num_blocks], dtype=np.int64)
 
 
-def kernels(source, destination) -> None:
+def kernels(source, destination, variants: bool) -> None:
     from kvtransfer.gpu_copy import copy_blocks
 
     for tokens in (1024, 4096, 16384):
@@ -93,7 +93,7 @@ def kernels(source, destination) -> None:
             emit(kind="current", tokens=tokens, layout=layout, ms=ms, gbps=nbytes / ms / 1e6, x_copy=base / ms)
             ms = timed(lambda: destination.index_copy_(0, d_ids, source.index_select(0, s_ids)))
             emit(kind="index_copy", tokens=tokens, layout=layout, ms=ms, gbps=nbytes / ms / 1e6, x_copy=base / ms)
-            for dtype in (torch.int64, torch.int32):
+            for dtype in (torch.int64, torch.int32) if variants else ():
                 for chunk in (8192, 16384, 32768, 65536):
                     for warps in (4, 8, 16):
                         for per in (1, 4):
@@ -167,7 +167,7 @@ def main() -> None:
     source = torch.randint(0, 255, (NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="cuda")
     destination = torch.zeros_like(source)
     read_pieces()
-    kernels(source, destination)
+    kernels(source, destination, variants="--variants" in sys.argv)
 
 
 if __name__ == "__main__":

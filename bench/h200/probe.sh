@@ -6,7 +6,7 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1
-timeout 240 python3 bench/h200/ipc_probe.py > $OUT/probe.jsonl 2> $OUT/probe.err; echo "probe rc=$?"
+timeout 240 python3 bench/h200/ipc_probe.py --variants > $OUT/probe.jsonl 2> $OUT/probe.err; echo "probe rc=$?"
 grep -v '"variant"' $OUT/probe.jsonl; tail -3 $OUT/probe.err
 timeout 300 python3 bench/gpu_cluster.py --out $OUT/gpu-cluster --kv-backend ipc --time-budget-s 120 \
   --short-concurrency 1 --long-concurrency 1 --skip-hf --node-args "--log-level debug" \
