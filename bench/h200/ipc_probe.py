@@ -6,6 +6,7 @@ read through the connector, and the mix64 checksum's cost. One process; prints J
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -83,15 +84,16 @@ def kernels(source, destination, variants: bool) -> None:
     for tokens in (1024, 4096, 16384):
         blocks = tokens // 16
         nbytes = blocks * BLOCK_BYTES
-        base = timed(lambda: destination[:blocks].copy_(source[:blocks]))
+        base = timed(functools.partial(lambda n: destination[:n].copy_(source[:n]), blocks))
         emit(kind="copy", tokens=tokens, ms=base, gbps=nbytes / base / 1e6)
         for layout, seed in (("contiguous", None), ("scattered", 1)):
             src = np.arange(blocks) if seed is None else scattered_ids(blocks, seed)
             dst = np.arange(blocks) if seed is None else scattered_ids(blocks, seed + 1)
             s_ids, d_ids = (torch.from_numpy(a).cuda() for a in (src, dst))
-            ms = timed(lambda: copy_blocks(destination, source, d_ids, s_ids))
+            ms = timed(functools.partial(copy_blocks, destination, source, d_ids, s_ids))
             emit(kind="current", tokens=tokens, layout=layout, ms=ms, gbps=nbytes / ms / 1e6, x_copy=base / ms)
-            ms = timed(lambda: destination.index_copy_(0, d_ids, source.index_select(0, s_ids)))
+            ms = timed(functools.partial(lambda d, s: destination.index_copy_(0, d, source.index_select(0, s)), d_ids,
+                                            s_ids))
             emit(kind="index_copy", tokens=tokens, layout=layout, ms=ms, gbps=nbytes / ms / 1e6, x_copy=base / ms)
             for dtype in (torch.int64, torch.int32) if variants else ():
                 for chunk in (8192, 16384, 32768, 65536):
@@ -100,8 +102,8 @@ def kernels(source, destination, variants: bool) -> None:
                             if chunk * per > BLOCK_BYTES:
                                 continue
                             try:
-                                ms = timed(lambda: kernel_copy(destination, source, d_ids, s_ids, dtype, chunk,
-                                                               warps, per), repeats=10, warmup=2)
+                                ms = timed(functools.partial(kernel_copy, destination, source, d_ids, s_ids, dtype,
+                                                             chunk, warps, per), repeats=10, warmup=2)
                             except Exception as e:  # noqa: BLE001 - a variant that does not compile is a row
                                 emit(kind="variant", error=str(e)[:200], dtype=str(dtype), chunk=chunk, warps=warps)
                                 continue
