@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kvtransfer.gpu_copy import _copy_blocks  # noqa: E402 - the kernel itself, launched with each variant's sizes
 
 BLOCK_BYTES = 32 * 2 * 8 * 128 * 16 * 2  # 8B shape: 32 layers, K and V, 8 heads of 128, 16 tokens, bf16 = 2 MiB
 NUM_BLOCKS = 2048 + 64
@@ -28,26 +28,12 @@ def emit(**row: object) -> None:
     print(json.dumps(row), flush=True)
 
 
-@triton.jit
-def _copy_chunks(source_ptr, destination_ptr, source_ids_ptr, destination_ids_ptr, block_words,
-                 CHUNK_WORDS: tl.constexpr, CHUNKS_PER_PROGRAM: tl.constexpr):
-    slot = tl.program_id(0)
-    group = tl.program_id(1)
-    source_block = tl.load(source_ids_ptr + slot).to(tl.int64)
-    destination_block = tl.load(destination_ids_ptr + slot).to(tl.int64)
-    for step in tl.static_range(CHUNKS_PER_PROGRAM):
-        index = (group.to(tl.int64) * CHUNKS_PER_PROGRAM + step) * CHUNK_WORDS + tl.arange(0, CHUNK_WORDS)
-        in_block = index < block_words
-        words = tl.load(source_ptr + source_block * block_words + index, mask=in_block, cache_modifier=".cg")
-        tl.store(destination_ptr + destination_block * block_words + index, words, mask=in_block)
-
-
 def kernel_copy(destination, source, destination_ids, source_ids, dtype, chunk_bytes, warps, per_program):
     d, s = destination.view(dtype), source.view(dtype)
     block_words = d.shape[1]
     chunk_words = chunk_bytes // dtype.itemsize
     grid = (destination_ids.numel(), triton.cdiv(block_words, chunk_words * per_program))
-    _copy_chunks[grid](s, d, source_ids, destination_ids, block_words, CHUNK_WORDS=chunk_words,
+    _copy_blocks[grid](s, d, source_ids, destination_ids, block_words, CHUNK_WORDS=chunk_words,
                        CHUNKS_PER_PROGRAM=per_program, num_warps=warps)
 
 
@@ -112,11 +98,9 @@ def kernels(source, destination, variants: bool) -> None:
             assert torch.equal(destination[d_ids], source[s_ids])
 
 
-def read_pieces() -> None:
-    """Two ipc connectors in this process (the second reads the first's pool through its tensor)."""
-    from kvtransfer import KVLayout, KVRegion, TransferStatus, make_connector
-    from kvtransfer.checksum import kv_block_checksums
-    from kvtransfer.descriptors import coalesce_runs
+def connector_pair():
+    """Two ipc connectors of this process over two GPU pools; the second has the first as its peer."""
+    from kvtransfer import KVLayout, KVRegion, make_connector
 
     layout = KVLayout(model="probe", dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
                       tp_size=1)
@@ -124,7 +108,16 @@ def read_pieces() -> None:
     prefill, decode = (make_connector("ipc", layout=layout) for _ in range(2))
     metadata = prefill.register(KVRegion.from_buffer(pools[0]))
     decode.register(KVRegion.from_buffer(pools[1]))
-    peer = decode.add_peer(metadata)
+    return pools, prefill, decode, decode.add_peer(metadata)
+
+
+def read_pieces() -> None:
+    """Two ipc connectors in this process (the second reads the first's pool through its tensor)."""
+    from kvtransfer import KVRegion, TransferStatus
+    from kvtransfer.checksum import kv_block_checksums
+    from kvtransfer.descriptors import coalesce_runs
+
+    pools, prefill, decode, peer = connector_pair()
     region = KVRegion.from_buffer(pools[1])
     for tokens in (1024, 4096, 16384):
         blocks = tokens // 16
@@ -170,15 +163,9 @@ def profile_reads() -> None:
     import io
     import pstats
 
-    from kvtransfer import KVLayout, KVRegion, TransferStatus, make_connector
+    from kvtransfer import TransferStatus
 
-    layout = KVLayout(model="probe", dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
-                      tp_size=1)
-    pools = [torch.randint(0, 255, (NUM_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="cuda") for _ in range(2)]
-    prefill, decode = (make_connector("ipc", layout=layout) for _ in range(2))
-    metadata = prefill.register(KVRegion.from_buffer(pools[0]))
-    decode.register(KVRegion.from_buffer(pools[1]))
-    peer = decode.add_peer(metadata)
+    pools, prefill, decode, peer = connector_pair()
     remote, local = scattered_ids(256, 5), scattered_ids(256, 6)
     for _ in range(3):
         decode.wait(decode.read(peer, remote, local))
