@@ -222,6 +222,10 @@ class DecodeLoop:
                     break
                 if not stop and lease.answered_not_live:
                     stop.append(lease.not_live_error(ticket))
+                    # P restarted, died or dropped the ticket: its reads are doomed, and one from a dead P could
+                    # otherwise run until the read timeout. Removing the peer fails and fences them at once (it
+                    # is added again by the next ticket that names it).
+                    await self.engine.call(lambda _: self._remove_peer(handle))
                 if not stop and deadline is not None and time.time() >= deadline:
                     stop.append(DecodeError("DEADLINE_EXCEEDED", "the KV transfer outlasted the request's deadline"))
                 await asyncio.sleep(POLL_INTERVAL_S)
@@ -307,6 +311,13 @@ class DecodeLoop:
                                                              "for KV blocks", retryable=True)
                 last_extension = time.monotonic()
             await asyncio.sleep(0.01)
+
+    def _remove_peer(self, handle: TransferHandle | None) -> None:
+        try:
+            if handle is not None:
+                self.connector.remove_peer(handle.peer)
+        except TransferError as e:  # already removed (another request did it) or the connector is closed
+            logger.debug("removing peer %s: %s", handle.peer if handle else None, e)
 
     async def _drain(self, handle: TransferHandle) -> None:
         """Waits until a read is over (DONE or FAILED, at the latest when the connector's read timeout fails it),
