@@ -4,7 +4,8 @@ An auto connector runs two connectors under one agent name: an `IpcConnector` (k
 for host pools, CUDA IPC for GPU pools; far faster between processes of one host) and the cross-host one, both with
 the same layout and read timeout. It chooses per peer, in `add_peer`, and then routes every call about that peer to
 the chosen one. The ipc connector is optional: where it cannot start (not Linux, no /proc: BackendError) or cannot
-register the pool, the auto connector runs the cross-host one alone (and says so in a warning).
+register a pool the cross-host one took (a GPU pool CUDA IPC cannot share), the auto connector runs the cross-host
+one alone and says so in a warning; its metadata then offers no ipc part.
 
 Metadata: an envelope of backend "auto" (handshake.PeerEnvelope: layout, region geometry) whose payload bundles the
 inner connectors' own envelopes (handshake.encode_bundle: versioned and length-prefixed, never pickled). A plain
@@ -21,6 +22,7 @@ How a peer's path is chosen (once per peer and metadata; the choice and why are 
     plain ipc envelope ─────────────► ipc.add_peer          (its errors propagate: there is no other way)
     plain nixl|mooncake envelope ───► cross_host.add_peer   (a plain nixl or mooncake peer: it refuses a backend
                                                              it does not run)
+Any other error of ipc.add_peer (the peer's process has exited, mapping its GPU pool failed) propagates as it is.
 
 Ids. A peer is known by its agent name on both transports (the inner connectors share ours, and return the
 peer's), so a notification's sender, which an inner connector names by agent name whichever transport carried it,
@@ -136,7 +138,7 @@ class AutoConnector(Connector):
         if self._ipc is not None:
             try:
                 parts = {IPC: self._ipc.register(region), **parts}
-            except BackendError as e:
+            except (BackendError, InvalidRequestError) as e:  # e.g. a GPU pool CUDA IPC cannot share
                 self._drop_ipc(f"registering the KV pool with it failed: {e}")
         self._envelope = PeerEnvelope(AUTO_BACKEND, self.agent_name, self.layout, region.base_address,
                                       region.num_blocks, region.block_bytes, region.memory_kind, region.device_id,
