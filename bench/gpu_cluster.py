@@ -1,6 +1,6 @@
 """The whole Tandem path on one GPU, in one command: correctness, the handoff's latency, and serving figures.
 
-    python bench/gpu_cluster.py --out OUT_DIR [--kv-backend ipc|nixl|mooncake] [--model DIR]
+    python bench/gpu_cluster.py --out OUT_DIR [--kv-backend ipc|nixl|mooncake|auto] [--model DIR]
     python bench/gpu_cluster.py --out OUT_DIR --tiny --device cpu --kv-backend nixl    # CPU smoke run
 
 What it does (about 8 minutes on one H200 with the 8B shape; a few minutes on a CPU with --tiny):
@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny model and small workloads (CPU smoke run)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--kv-backend", default="ipc", help="ipc (same host), nixl or mooncake")
+    p.add_argument("--kv-backend", default="ipc",
+                   help="ipc (same host), nixl, mooncake, or auto (ipc here, nixl across hosts: needs nixl)")
     p.add_argument("--seed", type=int, default=0, help="the dummy weights' seed (the same on every node)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192 (--tiny: 2048)")

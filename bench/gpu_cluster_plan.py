@@ -55,7 +55,7 @@ import protos.tandem_pb2_grpc, proxy.app, benchmark.cli, node_common.server, pre
 from settings.cluster import KV_BACKENDS
 if sys.argv[1] not in KV_BACKENDS:
     sys.exit(f"--kv-backend {sys.argv[1]}: the nodes of this tree know {', '.join(KV_BACKENDS)}")
-if sys.argv[1] == "nixl":
+if sys.argv[1] in ("nixl", "auto"):  # auto: ipc between these nodes, NIXL (its cross-host backend) loaded too
     import nixl._api
 elif sys.argv[1] == "mooncake":
     import mooncake.engine

@@ -1,4 +1,4 @@
-"""python -m decode_node --model DIR --port N [--kv-backend nixl|mooncake|ipc] [--registry redis://H:P]
+"""python -m decode_node --model DIR --port N [--kv-backend nixl|mooncake|ipc|auto] [--registry redis://H:P]
 [engine flags]"""
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ every layer is one contiguous run of `block_bytes` bytes at `base_address + i * 
 consecutive block ids is one contiguous range. It knows block ids and memory regions, never models or schedulers.
 
 Backends: `nixl` (UCX) and `mooncake` (TransferEngine) between any hosts, `ipc` between processes of one host
-(process_vm_readv for host memory, CUDA IPC for GPU memory); all pass one contract suite
-(tests/kvtransfer/test_contract.py).
+(process_vm_readv for host memory, CUDA IPC for GPU memory), and `auto`, which chooses ipc or nixl (or mooncake)
+per peer; all pass one contract suite (tests/kvtransfer/test_contract.py).
 
 Lifecycle of a pull (decode side D, prefill side P; both run the same code):
 
@@ -125,7 +125,9 @@ class Connector(abc.ABC):
     peer died, timed out) is reported by `poll` as FAILED, never raised, and never hangs: reads have a timeout.
     """
 
-    backend_name: str  # "nixl", "mooncake" or "ipc" (same host only): peers must use the same backend
+    # "nixl", "mooncake", "ipc" (same host only) or "auto" (ipc or a cross-host backend, per peer). Peers run the same
+    # backend, or one is auto and runs the other's (an auto node's metadata offers each backend it runs).
+    backend_name: str
 
     @property
     @abc.abstractmethod

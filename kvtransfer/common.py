@@ -35,7 +35,7 @@ from kvtransfer.errors import (
     UnknownPeerError,
     UnknownTransferError,
 )
-from kvtransfer.handshake import KVLayout, PeerEnvelope, check_compatible
+from kvtransfer.handshake import KVLayout, PeerEnvelope, check_compatible, select_envelope
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ class BlockConnector(Connector):
         self._check_open()
         if self._envelope is None:
             raise InvalidRequestError("register the KV region before adding peers (the handshake compares them)")
-        envelope = PeerEnvelope.decode(metadata)
+        # an auto peer offers one envelope per backend it runs: we read ours (see handshake.select_envelope)
+        envelope, metadata = select_envelope(metadata, self.backend_name)
         check_compatible(self._envelope, envelope)
         peer_id = PeerId(envelope.agent_name)
         if peer_id == self._agent_name:

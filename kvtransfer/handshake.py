@@ -9,13 +9,24 @@ where the header names the envelope version, backend, agent name, the layout (fi
 geometry, and the payload is the backend's own bytes (NIXL agent metadata, Mooncake endpoint record,
 ipc process and CUDA IPC record).
 `check_compatible` refuses a peer with a clear message naming every differing field.
+
+The `auto` connector (kvtransfer/same_host.py) runs two backends and offers both: its envelope's backend is
+"auto" and its payload a *bundle* of whole envelopes, one per backend it runs (binary, never pickled):
+
+    b"TKVB" | version (1 byte) | number of parts (1 byte)
+           | per part: backend name length (1 byte) | backend name (ASCII) | part length (4 bytes, big-endian) | part
+
+`select_envelope` is how any connector reads a peer's metadata: its own backend's part of an auto peer's bundle, so
+a plain nixl (or mooncake, or ipc) node can read from an auto node.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -27,6 +38,13 @@ ENVELOPE_VERSION = 1
 MAGIC = b"TKVP"
 _HEADER_LENGTH = struct.Struct(">I")
 _MAX_HEADER_BYTES = 1 << 16
+AUTO_BACKEND = "auto"
+BUNDLE_MAGIC = b"TKVB"
+BUNDLE_VERSION = 1
+MAX_BUNDLE_PARTS = 8
+_BUNDLE_HEAD = struct.Struct(">4sBB")  # magic, version, number of parts
+_PART_LENGTH = struct.Struct(">I")
+_BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
 def layout_hash(model: str, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -174,3 +192,67 @@ def check_compatible(ours: PeerEnvelope, theirs: PeerEnvelope) -> None:
     if differences:
         raise IncompatiblePeerError(f"refusing peer {theirs.agent_name!r}: layout_hash ours {ours.layout_hash}, "
                                     f"peer {theirs.layout_hash}; differs in " + ", ".join(differences))
+
+
+def encode_bundle(parts: Mapping[str, bytes]) -> bytes:
+    """The payload of an auto envelope: each backend's whole envelope, in the order given."""
+    if not 0 < len(parts) <= MAX_BUNDLE_PARTS:
+        raise ValueError(f"a bundle holds 1 to {MAX_BUNDLE_PARTS} parts, got {len(parts)}")
+    chunks = [_BUNDLE_HEAD.pack(BUNDLE_MAGIC, BUNDLE_VERSION, len(parts))]
+    for backend, part in parts.items():
+        assert _BACKEND_NAME.match(backend), f"bad backend name {backend!r}"
+        chunks += [bytes([len(backend)]), backend.encode("ascii"), _PART_LENGTH.pack(len(part)), bytes(part)]
+    return b"".join(chunks)
+
+
+def decode_bundle(data: bytes) -> dict[str, bytes]:
+    """Parses an auto envelope's payload into {backend: that backend's envelope bytes}; raises
+    InvalidMetadataError (never anything else) when the bytes are not a bundle of this version."""
+    data = bytes(data)
+    if len(data) < _BUNDLE_HEAD.size or not data.startswith(BUNDLE_MAGIC):
+        raise InvalidMetadataError("the auto peer's payload is not a bundle of backend envelopes (bad magic)")
+    _, version, num_parts = _BUNDLE_HEAD.unpack_from(data)
+    if version != BUNDLE_VERSION:
+        raise InvalidMetadataError(f"the auto peer's bundle version {version} is not supported (this connector "
+                                   f"reads version {BUNDLE_VERSION})")
+    if not 0 < num_parts <= MAX_BUNDLE_PARTS:
+        raise InvalidMetadataError(f"the auto peer's bundle has {num_parts} parts (1 to {MAX_BUNDLE_PARTS} allowed)")
+    parts: dict[str, bytes] = {}
+    offset = _BUNDLE_HEAD.size
+    for index in range(num_parts):
+        name_end = offset + 1 + (data[offset] if offset < len(data) else 0)
+        if name_end + _PART_LENGTH.size > len(data):
+            raise InvalidMetadataError(f"the auto peer's bundle is truncated in part {index}")
+        name = data[offset + 1:name_end].decode("ascii", errors="replace")
+        if not _BACKEND_NAME.match(name) or name in parts:
+            raise InvalidMetadataError(f"the auto peer's bundle part {index} has a bad or repeated backend name "
+                                       f"{name!r}")
+        (length,) = _PART_LENGTH.unpack_from(data, name_end)
+        offset = name_end + _PART_LENGTH.size
+        if length == 0 or offset + length > len(data):
+            raise InvalidMetadataError(f"the auto peer's bundle part {name!r} is empty or truncated ({length} "
+                                       f"bytes announced, {len(data) - offset} left)")
+        parts[name] = data[offset:offset + length]
+        offset += length
+    if offset != len(data):
+        raise InvalidMetadataError(f"the auto peer's bundle has {len(data) - offset} stray bytes after its parts")
+    return parts
+
+
+def select_envelope(metadata: bytes, backend: str) -> tuple[PeerEnvelope, bytes]:
+    """The envelope a `backend` connector reads in a peer's metadata, and its bytes: the metadata itself, or, when
+    the peer runs the auto connector, the part of its bundle for `backend` (IncompatiblePeerError when it offers
+    none). An auto part must name the same agent as the envelope around it."""
+    envelope = PeerEnvelope.decode(metadata)
+    if envelope.backend != AUTO_BACKEND or backend == AUTO_BACKEND:
+        return envelope, bytes(metadata)
+    parts = decode_bundle(envelope.payload)
+    part = parts.get(backend)
+    if part is None:
+        raise IncompatiblePeerError(f"refusing peer {envelope.agent_name!r}: backend (ours {backend!r}, peer "
+                                    f"{AUTO_BACKEND!r} offering {', '.join(parts)})")
+    inner = PeerEnvelope.decode(part)
+    if inner.backend != backend or inner.agent_name != envelope.agent_name:
+        raise InvalidMetadataError(f"the auto peer {envelope.agent_name!r}'s {backend} part is an envelope of "
+                                   f"backend {inner.backend!r} for agent {inner.agent_name!r}")
+    return inner, part

@@ -17,7 +17,9 @@ from typing import Any
 from engine.config import DTYPES, EngineConfig
 from settings.spec import ConfigError, group, setting
 
-KV_BACKENDS = ("nixl", "mooncake", "ipc")  # ipc: nodes on one host only (process_vm_readv, CUDA IPC)
+# ipc: nodes on one host only (process_vm_readv, CUDA IPC); auto: ipc for a peer on this host, else the cross-host one
+KV_BACKENDS = ("nixl", "mooncake", "ipc", "auto")
+KV_CROSS_HOST_BACKENDS = ("nixl", "mooncake")  # kvtransfer.same_host.CROSS_HOST_BACKENDS
 # kvtransfer.mooncake.PROTOCOLS: nvlink_intra is CUDA IPC between the GPUs of one machine (a CUDA build of Mooncake)
 MOONCAKE_PROTOCOLS = ("tcp", "rdma", "nvlink_intra")
 ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -48,6 +50,10 @@ class TransportSettings:
     mooncake_protocol: str = setting(
         "tcp", "Mooncake: the transfer protocol (nvlink_intra: CUDA IPC between GPUs of one machine; its nodes start "
                "with MC_INTRANODE_NVLINK=1)", choices=MOONCAKE_PROTOCOLS)
+    kv_cross_host_backend: str = setting(
+        "nixl", "--kv-backend auto: the backend for peers on other hosts (or in other PID/network namespaces); "
+                "peers on this host are read over ipc. Its transport settings above apply",
+        choices=KV_CROSS_HOST_BACKENDS)
 
     def __post_init__(self) -> None:
         if self.ucx_config is not None:
@@ -62,7 +68,10 @@ class TransportSettings:
                 raise ConfigError(f"ucx_config (--ucx-config, TANDEM_UCX_CONFIG): {e}") from None
 
     def connector_options(self, backend: str) -> dict[str, Any]:
-        """The keyword options `kvtransfer.make_connector(backend, ...)` takes for these settings."""
+        """The keyword options `kvtransfer.make_connector(backend, ...)` takes for these settings; for "auto", the
+        cross-host backend's and which one it is (its ipc connector takes the defaults)."""
+        if backend == "auto":
+            return {"cross_host": self.kv_cross_host_backend, **self.connector_options(self.kv_cross_host_backend)}
         if backend == "nixl":
             options = {"ucx_devices": self.ucx_devices} if self.ucx_devices else {}
             if self.ucx_config is not None:
@@ -75,7 +84,10 @@ class TransportSettings:
     def launch_environment(self, backend: str) -> dict[str, str]:
         """What these settings need in the environment a node process starts with, for libraries that read it
         there only: Mooncake installs its nvlink_intra transport only when MC_INTRANODE_NVLINK is present (any
-        value, "0" too, so a launcher that does not want it leaves it out)."""
+        value, "0" too, so a launcher that does not want it leaves it out). "auto" needs what its cross-host backend
+        needs (ipc reads nothing from the environment)."""
+        if backend == "auto":
+            return self.launch_environment(self.kv_cross_host_backend)
         if backend == "mooncake" and self.mooncake_protocol == "nvlink_intra":
             return {"MC_INTRANODE_NVLINK": "1"}
         return {}
@@ -84,7 +96,10 @@ class TransportSettings:
 @dataclass(frozen=True)
 class ClusterSettings:
     hashing: HashingSettings = group(HashingSettings)
-    kv_backend: str = setting("nixl", "KV transfer library", choices=KV_BACKENDS)
+    kv_backend: str = setting(
+        "nixl", "KV transfer library (ipc: nodes on one host only; auto: ipc for a peer on this host, "
+                "--kv-cross-host-backend for the others; it pairs with plain nodes of those two backends too)",
+        choices=KV_BACKENDS)
     dtype: str = setting(ENGINE_DEFAULTS["dtype"], "model dtype", choices=DTYPES)
     drain_timeout: float = setting(120.0, "seconds a leaving node may take to finish its requests", minimum=1.0,
                                    metavar="SECONDS")

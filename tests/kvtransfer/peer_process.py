@@ -46,13 +46,16 @@ class PeerProcess:
 
     def __init__(self, backend: str, *, num_blocks: int = 64, block_bytes: int = 4096, seed: int = 0,
                  layout: dict[str, Any] | None = None, read_timeout_s: float = 10.0,
-                 env: dict[str, str] | None = None, wait: bool = True, device: str = "cpu") -> None:
+                 env: dict[str, str] | None = None, wait: bool = True, device: str = "cpu",
+                 transport: dict[str, Any] | None = None) -> None:
+        """`transport`: TransportSettings fields on top of the loopback device (e.g. the auto backend's
+        `kv_cross_host_backend`)."""
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self.process = context.Process(
             target=serve, daemon=True,
             args=(child_conn, backend, num_blocks, block_bytes, seed, layout or DEFAULT_LAYOUT, read_timeout_s,
-                  env or {}, device))
+                  env or {}, device, transport or {}))
         self.process.start()
         child_conn.close()
         self.backend, self.num_blocks, self.block_bytes, self.seed = backend, num_blocks, block_bytes, seed
@@ -115,6 +118,22 @@ class PeerProcess:
         self._conn.close()
 
 
+def assert_read_lands(reader: PeerProcess, peer_id: str, source: PeerProcess, remote_ids: list[int],
+                      local_ids: list[int], wait_s: float = 30.0) -> dict[str, Any]:
+    """`reader` reads `source`'s blocks (known to it as `peer_id`); its whole region must then hold exactly the
+    source's initial blocks at `local_ids` and its own bytes everywhere else. Returns the read's result."""
+    before = reader.call("blocks")
+    result = reader.call("read", peer_id, remote_ids, local_ids, wait_s)
+    assert result["status"] == "DONE", result
+    expected = before.copy()
+    expected[local_ids] = source.initial_blocks()[remote_ids]
+    after = reader.call("blocks")
+    changed = sorted(set(np.flatnonzero((after != before).any(axis=1)).tolist()) - set(local_ids))
+    assert changed == [], f"blocks outside the read changed: {changed[:10]}"
+    np.testing.assert_array_equal(after, expected)
+    return dict(result)
+
+
 def launch_environment(read_timeout_s: float) -> dict[str, str]:
     """What this launcher starts a peer with (a node's launcher does the same): UCX without its InfiniBand modules
     (ENV-NOTES: with ibverbs providers installed, NIXL crashes at exit otherwise), and Mooncake's own timeout
@@ -128,7 +147,8 @@ def transport_variables() -> dict[str, str]:
 
 
 def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, seed: int, layout: dict[str, Any],
-          read_timeout_s: float, env: dict[str, str], device: str = "cpu") -> None:
+          read_timeout_s: float, env: dict[str, str], device: str = "cpu", transport: dict[str, Any] | None = None
+          ) -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.update({**launch_environment(read_timeout_s), **env})
     from kvtransfer import KVLayout, KVRegion, PeerId, TransferError, make_connector
@@ -143,7 +163,7 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
         pool.copy_(torch.from_numpy(kv))
     launched_with = transport_variables()
     # loopback through the connector's own settings (NIXL: UCX's device list), not through the environment
-    options = TransportSettings(ucx_devices="lo").connector_options(backend)
+    options = TransportSettings(**{"ucx_devices": "lo", **(transport or {})}).connector_options(backend)
     connector = make_connector(backend, layout=KVLayout(**layout), read_timeout_s=read_timeout_s, **options)
     region = KVRegion.from_buffer(pool)
     conn.send(("ok", (connector.register(region), connector.agent_name)))
@@ -172,9 +192,18 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
 
         return kv_checksum(region, block_ids)
 
+    def chosen_backend(peer: str) -> str:
+        """The backend `peer` is read with: the auto connector's choice, any other connector's own backend."""
+        from kvtransfer.same_host import AutoConnector
+
+        if isinstance(connector, AutoConnector):
+            return connector.chosen_backend(PeerId(peer))
+        return connector.backend_name
+
     commands: dict[str, Callable[..., Any]] = {
         "ping": lambda: "pong",
         "add_peer": connector.add_peer,
+        "chosen_backend": chosen_backend,
         "remove_peer": connector.remove_peer,
         "read": read,
         "poll_unknown": lambda: connector.poll(make_foreign_handle()),

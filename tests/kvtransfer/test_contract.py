@@ -18,12 +18,17 @@ import pytest
 
 from kvtransfer import BACKENDS
 from kvtransfer.handshake import PeerEnvelope
-from tests.kvtransfer.peer_process import PeerProcess, RemoteError
+from tests.kvtransfer.peer_process import PeerProcess, RemoteError, assert_read_lands
 
 NUM_BLOCKS = 2100  # enough for a read of more than 1024 descriptors (Mooncake splits its batches there)
 BLOCK_BYTES = 2048
 FAST_S = 5.0  # "quickly": how long a failure may take to show
-ONE_SIDED_BACKENDS = {"ipc"}  # read the peer's memory without the peer's help (see the hung-peer test)
+# read the peer's memory without the peer's help (see the hung-peer test); auto reads a peer on this host over ipc
+ONE_SIDED_BACKENDS = {"ipc", "auto"}
+# the backend each connector reads a peer of its own kind with, on this host
+READ_WITH = {"nixl": "nixl", "mooncake": "mooncake", "ipc": "ipc", "auto": "ipc"}
+# the backends whose metadata each connector reads (an auto connector runs ipc and nixl, and reads their peers too)
+READS = {"nixl": {"nixl"}, "mooncake": {"mooncake"}, "ipc": {"ipc"}, "auto": {"auto", "ipc", "nixl"}}
 
 
 @dataclasses.dataclass
@@ -38,16 +43,7 @@ class Pair:
         return self.decode.call("read", self.prefill_id, remote_ids, local_ids, 30.0)
 
     def assert_read_lands(self, remote_ids: list[int], local_ids: list[int]) -> dict[str, Any]:
-        before = self.decode.call("blocks")
-        result = self.read(remote_ids, local_ids)
-        assert result["status"] == "DONE", result
-        expected = before.copy()
-        expected[local_ids] = self.prefill.initial_blocks()[remote_ids]
-        after = self.decode.call("blocks")
-        changed = sorted(set(np.flatnonzero((after != before).any(axis=1)).tolist()) - set(local_ids))
-        assert changed == [], f"blocks outside the read changed: {changed[:10]}"
-        np.testing.assert_array_equal(after, expected)
-        return result
+        return assert_read_lands(self.decode, self.prefill_id, self.prefill, remote_ids, local_ids)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -110,6 +106,11 @@ def test_add_peer_twice_with_the_same_metadata_returns_the_same_peer(pair: Pair)
     assert pair.decode.call("add_peer", pair.prefill.metadata) == pair.prefill_id
 
 
+def test_peers_on_this_host_are_read_with_the_expected_backend(pair: Pair) -> None:
+    assert pair.decode.call("chosen_backend", pair.prefill_id) == READ_WITH[pair.backend]
+    assert pair.prefill.call("chosen_backend", pair.decode_id) == READ_WITH[pair.backend]
+
+
 @pytest.mark.parametrize(("change", "named_fields"), [
     ({"block_size": 8}, ["block_size"]),
     ({"dtype": "bfloat16", "num_layers": 4}, ["dtype", "num_layers"]),
@@ -127,7 +128,7 @@ def test_a_peer_with_another_layout_is_refused_naming_the_fields(pair: Pair, cha
 
 def test_a_peer_of_another_backend_or_block_size_is_refused(pair: Pair) -> None:
     envelope = PeerEnvelope.decode(pair.prefill.metadata)
-    other_backend = next(b for b in BACKENDS if b != pair.backend)
+    other_backend = next(b for b in BACKENDS if b not in READS[pair.backend])
     with pytest.raises(RemoteError) as error:
         pair.decode.call("add_peer", dataclasses.replace(envelope, backend=other_backend).encode())
     assert_remote_error(error, "IncompatiblePeerError", "backend", other_backend)

@@ -33,7 +33,7 @@ def test_kvtransfer_imports_no_engine_protos_or_node_package() -> None:
 
 def test_importing_kvtransfer_loads_no_transfer_library_and_no_torch() -> None:
     code = ("import sys, kvtransfer, kvtransfer.checksum, kvtransfer.handshake, kvtransfer.descriptors, "
-            "kvtransfer.ipc; "  # ipc imports torch only for GPU pools
+            "kvtransfer.ipc, kvtransfer.same_host; "  # ipc imports torch only for GPU pools; auto, backends when made
             "loaded = {'torch', 'nixl', 'mooncake'} & {m.split('.')[0] for m in sys.modules}; "
             "assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

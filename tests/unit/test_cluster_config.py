@@ -84,7 +84,8 @@ def test_a_yaml_key_without_a_value_leaves_the_setting_to_env_and_default(tmp_pa
     ("decode_nodez: 2\n", "unknown setting 'decode_nodez'"),
     ("decode_nodes: two\n", "decode_nodes: expected int"),
     ("decode_nodes: 1.5\n", "decode_nodes: expected int"),
-    ("kv_backend: ucx\n", "must be one of nixl, mooncake, ipc"),
+    ("kv_backend: ucx\n", "must be one of nixl, mooncake, ipc, auto"),
+    ("kv_cross_host_backend: ipc\n", "must be one of nixl, mooncake"),
     ("tp: 0\n", "must be at least 1"),
     ("- a list\n", "must hold a mapping"),
     ("port: [1\n", "not valid YAML"),
@@ -250,6 +251,35 @@ def test_mooncake_nvlink_intra_nodes_start_with_the_variable_that_installs_it() 
     chosen = serve_config("--kv-backend", "mooncake", "--mooncake-protocol", "nvlink_intra", "--transport-env",
                           "MC_INTRANODE_NVLINK=yes MC_TRANSFER_TIMEOUT=60")
     assert chosen.node_environment(on_one_machine=False) == {"MC_INTRANODE_NVLINK": "yes", "MC_TRANSFER_TIMEOUT": "60"}
+
+
+def test_auto_nodes_get_their_cross_host_backends_options_and_environment() -> None:
+    config = serve_config("--kv-backend", "auto", "--ucx-config", "PROTO_EMULATION_ENABLE=n")
+    assert config.cluster.kv_backend == "auto" and config.cluster.transport.kv_cross_host_backend == "nixl"
+    launch = NodeLaunch(model="/m", registry_url="redis://r", cluster=config.node_settings(on_one_machine=True))
+    node = node_args(*node_command(launch, "decode", "d-0", "127.0.0.1", 1)[3:])
+    assert node.kv_backend == "auto"
+    assert node.cluster.transport.connector_options("auto") == {
+        "cross_host": "nixl", "ucx_devices": "lo", "ucx_config": "PROTO_EMULATION_ENABLE=n"}
+    assert config.node_environment(on_one_machine=False) == {}
+    # Mooncake across hosts, over nvlink_intra: its nodes need the variable that installs that transport
+    mooncake = serve_config("--kv-backend", "auto", "--kv-cross-host-backend", "mooncake", "--mooncake-protocol",
+                            "nvlink_intra")
+    node = node_args(*to_args(mooncake.cluster))
+    assert (node.kv_backend, node.kv_cross_host_backend) == ("auto", "mooncake")
+    assert node.cluster.transport.connector_options("auto") == {"cross_host": "mooncake", "protocol": "nvlink_intra"}
+    assert mooncake.node_environment(on_one_machine=False) == {"MC_INTRANODE_NVLINK": "1"}
+    env = serve_config(env={"TANDEM_KV_BACKEND": "auto", "TANDEM_KV_CROSS_HOST_BACKEND": "mooncake"})
+    assert env.cluster.transport.connector_options("auto") == {"cross_host": "mooncake", "protocol": "tcp"}
+
+
+def test_the_default_kv_backend_stays_nixl_and_the_backend_choices_are_the_connectors() -> None:
+    from kvtransfer import BACKENDS
+    from kvtransfer.same_host import CROSS_HOST_BACKENDS
+    from settings.cluster import KV_BACKENDS, KV_CROSS_HOST_BACKENDS
+
+    assert serve_config().cluster.kv_backend == "nixl"
+    assert KV_BACKENDS == BACKENDS and KV_CROSS_HOST_BACKENDS == CROSS_HOST_BACKENDS
 
 
 def test_the_mooncake_protocol_choices_are_the_connectors() -> None:
