@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--kv-backend", default="ipc",
                    help="ipc (same host), nixl, mooncake, or auto (ipc here, nixl across hosts: needs nixl)")
+    p.add_argument("--kv-cross-host-backend", default="nixl", choices=("nixl", "mooncake"),
+                   help="with --kv-backend auto: the nodes' backend for peers on other hosts (its library must load)")
     p.add_argument("--seed", type=int, default=0, help="the dummy weights' seed (the same on every node)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 8192 (--tiny: 2048)")
@@ -236,7 +238,8 @@ def run_hf(run: Run, timeout_s: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    info = device_info(args.device, args.kv_backend)
+    # auto loads its cross-host library next to ipc: that is the one the preflight must find
+    info = device_info(args.device, args.kv_cross_host_backend if args.kv_backend == "auto" else args.kv_backend)
     plan = make_plan(args, info.get("gpu_total_bytes"))
     run = Run(args, plan)
     run.data["device_info"] = info

@@ -55,7 +55,7 @@ import protos.tandem_pb2_grpc, proxy.app, benchmark.cli, node_common.server, pre
 from settings.cluster import KV_BACKENDS
 if sys.argv[1] not in KV_BACKENDS:
     sys.exit(f"--kv-backend {sys.argv[1]}: the nodes of this tree know {', '.join(KV_BACKENDS)}")
-if sys.argv[1] in ("nixl", "auto"):  # auto: ipc between these nodes, NIXL (its cross-host backend) loaded too
+if sys.argv[1] == "nixl":
     import nixl._api
 elif sys.argv[1] == "mooncake":
     import mooncake.engine
@@ -137,6 +137,8 @@ def make_plan(args: argparse.Namespace, gpu_total_bytes: int | None) -> Plan:
         env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
     env.update(kv.split("=", 1) for kv in args.node_env)
     node_args = shlex.split(args.node_args)
+    if args.kv_backend == "auto":
+        node_args += ["--kv-cross-host-backend", getattr(args, "kv_cross_host_backend", "nixl")]
     if args.device == "cpu" and args.kv_backend == "nixl":
         node_args += ["--ucx-devices", "lo"]
     return Plan(model=str(model.resolve()), served_name=model.name, device=args.device, dtype=dtype,
