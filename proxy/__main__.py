@@ -1,6 +1,7 @@
 """python -m proxy (--registry redis://HOST:PORT | --prefill HOST:PORT --decode HOST:PORT) --model DIR
 [--port 8000] [--api-key KEY] [--routing prefix_load|round_robin] [--block-size N --hash-seed S] [--config FILE]
-[--max-request-body-bytes N] [--tokenizer-threads N]"""
+[--max-request-body-bytes N] [--tokenizer-threads N] [--max-retries N] [--health-check-interval S]
+[--health-check-timeout S] [--prefill-attempt-timeout S] [--decode-first-token-timeout S]"""
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from engine.types import FinishReason, PositionLogprobs, SamplingParams
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import logprobs_from_proto, params_to_proto, stats_from_proto, ticket_from_proto, ticket_to_proto
-from wire import RETRYABLE_KEY, InvalidTicketError, KVTicket, NodeCapacity, NodeLoad, NodeStats
+from wire import RETRYABLE_KEY, InvalidTicketError, KVTicket, NodeStats
 
 # A node that restarts is reachable again within a second: gRPC's default reconnect backoff grows to 2 minutes,
 # and a channel in backoff fails calls at once.
@@ -39,6 +38,12 @@ class NodeError(Exception):
     def role(self) -> str:
         return self.node.split(" ", 1)[0]
 
+    @property
+    def try_another_node(self) -> bool:
+        """Whether another node of the role may do better: this one was unreachable, or the proxy gave up on it
+        (proxy.attempts). A node's own errors would repeat elsewhere."""
+        return self.code == grpc.StatusCode.UNAVAILABLE
+
 
 @dataclass(frozen=True)
 class Prefilled:
@@ -59,14 +64,12 @@ class Decoded:
 
 
 @dataclass(frozen=True)
-class NodeStatus:
-    """A node's answer to Health and Stats (what a node without a registry tells the proxy)."""
+class NodeHealth:
+    """A node's answer to Health."""
 
     ready: bool
     node_id: str
     layout_hash: str
-    capacity: NodeCapacity
-    load: NodeLoad
 
 
 def _error(node: str, e: grpc.aio.AioRpcError) -> NodeError:
@@ -98,17 +101,15 @@ class NodeClient:
     def stub(self) -> tandem_pb2_grpc.PrefillServiceStub | tandem_pb2_grpc.DecodeServiceStub:
         raise NotImplementedError
 
-    async def health(self, timeout: float = 2.0) -> pb.HealthResponse:
-        return await self.stub.Health(pb.HealthRequest(), timeout=timeout)
+    async def health(self, timeout: float = 2.0) -> NodeHealth:
+        """Raises grpc.aio.AioRpcError when the node does not answer. The node answers from its gRPC edge, without
+        its engine thread: a busy node answers at once."""
+        health = await self.stub.Health(pb.HealthRequest(), timeout=timeout)
+        return NodeHealth(health.ready, health.node_id, health.layout_hash)
 
     async def stats(self, timeout: float = 2.0) -> NodeStats:
         """Raises grpc.aio.AioRpcError when the node does not answer."""
         return stats_from_proto(await self.stub.Stats(pb.StatsRequest(), timeout=timeout))
-
-    async def status(self, timeout: float = 2.0) -> NodeStatus:
-        """Health and Stats together. Raises grpc.aio.AioRpcError when the node does not answer."""
-        health, stats = await asyncio.gather(self.health(timeout), self.stats(timeout))
-        return NodeStatus(health.ready, health.node_id, health.layout_hash, stats.capacity, stats.load)
 
 
 class PrefillClient(NodeClient):
@@ -132,16 +133,16 @@ class PrefillClient(NodeClient):
         return Prefilled(r.first_token, logprobs_from_proto(r.first_logprobs),
                          FinishReason(r.finish_reason) if r.finish_reason else None, r.num_cached_tokens, ticket)
 
-    async def release(self, ticket: KVTicket) -> None:
+    async def release(self, ticket: KVTicket, timeout: float = 2.0) -> None:
         ref = pb.TicketRef(ticket_id=ticket.ticket_id, incarnation=ticket.incarnation)
         try:
-            await self.stub.Release(ref, timeout=2.0)
+            await self.stub.Release(ref, timeout=timeout)
         except grpc.aio.AioRpcError:
             pass  # the lease frees the blocks anyway
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         try:
-            await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=2.0)
+            await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)
         except grpc.aio.AioRpcError:
             pass
 
@@ -175,8 +176,8 @@ class DecodeClient(NodeClient):
         finally:
             call.cancel()
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         try:
-            await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=2.0)
+            await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)
         except grpc.aio.AioRpcError:
             pass

@@ -2,15 +2,21 @@
 their KV events feed. It only reads the registry; nodes write it (node_common/registrar.py).
 
 Two sources, combinable:
-- static addresses (`--prefill/--decode HOST:PORT`, single-machine use): polled every `static_poll_s` with
-  Health + Stats. A node is healthy after a good poll and unhealthy after `STATIC_FAILURES_TO_LEAVE` failed
-  ones in a row; when every listed node of a role is unhealthy they are all offered anyway (the operator
-  named them: trying one that just restarted beats refusing the request).
+- static addresses (`--prefill/--decode HOST:PORT`, single-machine use): polled every `health_interval_s` with
+  Health (liveness) and Stats (load; a busy node's Stats waits for its engine step, so a late answer keeps the
+  last load and is no failure). A node is healthy after a good Health check and unhealthy after
+  FAILED_CHECKS_TO_LOSE failed ones in a row (proxy.liveness); when every listed node of a role is unhealthy
+  they are all offered anyway (the operator named them: trying one that just restarted beats refusing the
+  request).
 - the registry (`--registry redis://...`): every `poll_s` the node keys (wire.registry) written by node registrars
   are scanned. A key that is gone (its TTL ran out, or the node deregistered) is a node gone, from routing
   and from the prefix index. A node both listed and registered is one node, described by its registration.
 Either way, a node a call just found unreachable is left out of routing for a short back-off (proxy.dead_nodes),
 before its registry entry expires or its polls fail, even when it is the last node of its role.
+
+Requests in flight: a registered node with attempts in flight is health-checked too, on the same rule as a static
+one. A node that fails the checks, or that a call finds unreachable, is lost (proxy.liveness): the attempts in
+flight there are abandoned and retried elsewhere (proxy.attempts) rather than left to wait for it.
 
 KV events: one task reads the cluster's stream from where it left off and applies each node's delta to the
 index. A node first seen, restarted (seq 0) or with a gap in its seq gets its set reloaded; a lock keeps a
@@ -31,8 +37,9 @@ import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from proxy.clients import DecodeClient, NodeClient, PrefillClient
+from proxy.clients import DecodeClient, NodeClient, NodeHealth, PrefillClient
 from proxy.dead_nodes import DeadNodes
+from proxy.liveness import Liveness, check_failure
 from proxy.prefix_index import PrefixIndex
 from wire import (
     KV_EVENTS_STREAM,
@@ -41,6 +48,7 @@ from wire import (
     NodeCapacity,
     NodeLoad,
     NodeRecord,
+    NodeStats,
     Role,
     hash_fingerprint,
     kv_set_key,
@@ -48,7 +56,6 @@ from wire import (
 
 logger = logging.getLogger(__name__)
 
-STATIC_FAILURES_TO_LEAVE = 2
 _UNKNOWN_CAPACITY = NodeCapacity(total_kv_blocks=0, max_num_seqs=0, max_num_batched_tokens=0, block_size=0)
 _UNKNOWN_LOAD = NodeLoad(free_kv_blocks=0, num_running=0, num_waiting=0, num_queued_prefill_tokens=0)
 
@@ -72,7 +79,7 @@ class NodeView:
 class NodeDirectory:
     def __init__(self, static_prefill: Sequence[str] = (), static_decode: Sequence[str] = (),
                  registry_url: str | None = None, block_size: int = 16, hash_seed: str = "tandem",
-                 poll_s: float = 0.5, static_poll_s: float = 1.0) -> None:
+                 poll_s: float = 0.5, health_interval_s: float = 1.0, health_timeout_s: float = 1.0) -> None:
         both = set(static_prefill) & set(static_decode)
         if both:
             raise ValueError(f"{sorted(both)} listed as both prefill and decode nodes")
@@ -80,12 +87,12 @@ class NodeDirectory:
         self.block_size = block_size
         self.fingerprint = hash_fingerprint(hash_seed)
         self.poll_s = poll_s
-        self.static_poll_s = static_poll_s
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
         self._static: dict[str, NodeView] = {
             address: NodeView(address, role, node_id=address, healthy=False)
             for role, addresses in ((Role.PREFILL, static_prefill), (Role.DECODE, static_decode))
             for address in addresses}
-        self._static_failures: dict[str, int] = {}
         self._registered: dict[str, NodeView] = {}  # by node id
         self._incarnations: dict[str, int] = {}
         self._kv_seq: dict[str, int | None] = {}  # last delta applied per node; None: unknown since a reload
@@ -93,6 +100,7 @@ class NodeDirectory:
         self._warned: set[str] = set()
         self._clients: dict[str, NodeClient] = {}
         self.dead = DeadNodes()
+        self.liveness = Liveness(polled=self._static)
         self._redis = (aioredis.Redis.from_url(registry_url, decode_responses=True, socket_timeout=5.0,
                                                socket_connect_timeout=2.0) if registry_url else None)
         self._stream_id = "0-0"
@@ -112,16 +120,23 @@ class NodeDirectory:
                       key=lambda n: n.address)
 
     def mark_down(self, node: NodeView) -> None:
-        """A call just found `node` unreachable: routing leaves it out for a back-off (proxy.dead_nodes)."""
+        """A call just found `node` unreachable (or the proxy gave up on it): routing leaves it out for a back-off
+        (proxy.dead_nodes), and the other attempts in flight there are abandoned."""
         already = self.dead.is_down(node.address)  # other requests in flight found it too
         back_off = self.dead.mark_down(node.address)
         if not already:
             logger.warning("%s node %s (%s) is unreachable: out of routing for %.1f s", node.role.value,
                            node.node_id, node.address, back_off)
+        self.liveness.lose(node.address, "unreachable")
 
     def mark_alive(self, node: NodeView) -> None:
         """A call to `node` succeeded."""
         self.dead.mark_alive(node.address)
+        self.liveness.check_passed(node.address)
+
+    def is_down(self, node: NodeView) -> bool:
+        """Whether `node` is out of routing for a back-off (a call found it unreachable, or the proxy gave up on it)."""
+        return self.dead.is_down(node.address)
 
     def all_nodes(self) -> list[NodeView]:
         """Every node known, healthy or not, draining or not."""
@@ -172,7 +187,8 @@ class NodeDirectory:
                             asyncio.create_task(self._kv_events_loop(), name="registry-kv-events")]
         if self._static:
             await self.poll_static()
-            self._tasks.append(asyncio.create_task(self._static_loop(), name="static-poll"))
+        if self._static or self._redis is not None:
+            self._tasks.append(asyncio.create_task(self._health_loop(), name="health-checks"))
 
     async def close(self) -> None:
         self._closing = True
@@ -305,34 +321,56 @@ class NodeDirectory:
                 self.index.replace(node_id, _from_hex(members))
                 self._kv_seq[node_id] = None
 
-    # ---- static nodes ----
-    async def _static_loop(self) -> None:
+    # ---- health checks ----
+    async def _health_loop(self) -> None:
         while not self._closing:
-            await asyncio.sleep(self.static_poll_s)
-            await self.poll_static()
+            await asyncio.sleep(self.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        """One round of checks: every static node, and every other node with attempts in flight."""
+        in_flight = [a for a in self.liveness.to_check() if a in self._clients]
+        await asyncio.gather(self.poll_static(), *(self._check_in_flight(a) for a in in_flight))
 
     async def poll_static(self) -> None:
         await asyncio.gather(*(self._poll_static_node(node) for node in list(self._static.values())))
 
     async def _poll_static_node(self, node: NodeView) -> None:
-        try:
-            status = await self.client(node).status(timeout=2.0)
-            if not status.ready:
-                raise ConnectionError("the node reports it is not ready")
-        except (grpc.aio.AioRpcError, ConnectionError) as e:
-            failures = self._static_failures.get(node.address, 0) + 1
-            self._static_failures[node.address] = failures
-            if node.healthy and failures >= STATIC_FAILURES_TO_LEAVE:
-                logger.warning("%s node %s is unhealthy: %s", node.role.value, node.address,
-                               e.details() if isinstance(e, grpc.aio.AioRpcError) else e)
+        client = self.client(node)
+        health, stats = await asyncio.gather(client.health(self.health_timeout_s),
+                                             client.stats(self.health_timeout_s), return_exceptions=True)
+        failure = check_failure(health)
+        if failure is not None:
+            lost = self.liveness.check_failed(node.address, failure)
+            if node.healthy and lost:
+                logger.warning("%s node %s is unhealthy: %s", node.role.value, node.address, failure)
                 self._static[node.address] = dataclasses.replace(node, healthy=False)
             return
-        self._static_failures[node.address] = 0
+        assert isinstance(health, NodeHealth), "a passed check has an answer"
+        self.liveness.check_passed(node.address)
         self.dead.mark_alive(node.address)
         if not node.healthy:
-            logger.info("%s node %s (%s) is healthy", node.role.value, node.address, status.node_id)
-        self._static[node.address] = NodeView(node.address, node.role, status.node_id, status.layout_hash,
-                                               status.capacity, status.load)
+            logger.info("%s node %s (%s) is healthy", node.role.value, node.address, health.node_id)
+        # a busy node's Stats may come late (it waits for the engine's step): keep the last load then
+        if isinstance(stats, BaseException) and not isinstance(stats, grpc.aio.AioRpcError):
+            raise stats
+        capacity, load = (stats.capacity, stats.load) if isinstance(stats, NodeStats) else (node.capacity, node.load)
+        self._static[node.address] = NodeView(node.address, node.role, health.node_id, health.layout_hash,
+                                               capacity, load)
+
+    async def _check_in_flight(self, address: str) -> None:
+        """Health of a registered node that requests are waiting on (its heartbeats say less: the registry entry
+        of a frozen node lives on for the TTL, and an entry gone is no proof the node is)."""
+        try:
+            health: NodeHealth | grpc.aio.AioRpcError = await self._clients[address].health(self.health_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            health = e
+        failure = check_failure(health)
+        if failure is None:
+            self.liveness.check_passed(address)
+        elif self.liveness.check_failed(address, failure):
+            logger.warning("node %s fails its health checks (%s): abandoning the requests in flight there", address,
+                           failure)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

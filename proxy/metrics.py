@@ -6,6 +6,9 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
   e2e_request_latency_seconds, request_success_total{finished_reason}, prompt_tokens_total,
   generation_tokens_total, num_requests_running (sub-requests in flight here), request_errors_total{code};
 - routing: pd_decisions_total{mode}, read from the router's decision counts;
+- failures handled: attempts_abandoned_total{role, reason} (attempts the proxy gave up on: reason node_lost or
+  timeout, proxy.attempts) and request_retries_total{role} (failed or abandoned attempts retried, by the role
+  of the node that failed), read from the pipeline's counts;
 - per node (`node_id`, `role` labels), from the nodes' Stats on each scrape: kv_cache_usage_perc,
   num_requests_waiting, node_num_requests_running, prefix_cache_queries_total / _hits_total (tokens),
   prefill_leases_expired_total, kv_transfer_failures_total, and node_up (0 when Stats failed).
@@ -25,6 +28,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
+from proxy.attempts import AbandonReason, AttemptCounts
 from proxy.directory import NodeDirectory, NodeView
 from wire import NodeCapacity, NodeLoad, NodeStats, Role
 
@@ -148,6 +152,7 @@ class ClusterCollector:
         self.model_name = model_name
         self.nodes: list[NodeSnapshot] = []
         self.decision_counts: Callable[[], Mapping[str, int] | None] = lambda: None
+        self.attempt_counts: Callable[[], AttemptCounts | None] = lambda: None
 
     def collect(self) -> Iterator[Metric]:
         m = self.model_name
@@ -157,6 +162,7 @@ class ClusterCollector:
         for mode, count in sorted((self.decision_counts() or {}).items()):
             decisions.add_metric([m, str(mode)], count)
         yield decisions
+        yield from self._attempts()
 
         labels = ["model_name", "node_id", "role"]
         up = GaugeMetricFamily("tandem:node_up", "1 when the node answered the last Stats poll.", labels=labels)
@@ -198,6 +204,21 @@ class ClusterCollector:
                 transfer_seconds.add_metric(values, count_value=s.kv_transfer_count,
                                             sum_value=s.kv_transfer_seconds_sum)
         yield from (up, usage, waiting, running, queries, hits, expired, failures, transfer_bytes, transfer_seconds)
+
+
+    def _attempts(self) -> Iterator[Metric]:
+        m = self.model_name
+        abandoned = CounterMetricFamily("tandem:attempts_abandoned", "Attempts (one RPC to one node) the proxy gave "
+                                        "up on, by node role and reason (node_lost: failed health checks or "
+                                        "unreachable; timeout: no progress).", labels=["model_name", "role", "reason"])
+        retries = CounterMetricFamily("tandem:request_retries", "Failed or abandoned attempts retried, by the role "
+                                      "of the node that failed.", labels=["model_name", "role"])
+        counts = self.attempt_counts() or AttemptCounts()
+        for role in Role:
+            for reason in AbandonReason:
+                abandoned.add_metric([m, role.value, reason.value], counts.abandoned[(role.value, reason.value)])
+            retries.add_metric([m, role.value], counts.retries[role.value])
+        yield from (abandoned, retries)
 
 
 # ---- what the nodes say ----

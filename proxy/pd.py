@@ -4,19 +4,26 @@ The router picks D, the mode and P (proxy/router.py).
 - Colocated: D prefills the prompt itself and streams every token.
 - Disaggregated: P computes the prompt's K/V and the first token; the first token goes to the client at once;
   D pulls the K/V and streams the rest.
-Failures, at most `max_retries` retries per request in all:
-- a node that a call finds unreachable is marked down in the directory (proxy.dead_nodes): routing leaves it
-  out for a short back-off, so the requests after this one do not try it first;
+Each RPC to a node is an attempt (proxy.attempts): the proxy abandons it, cancelling the RPC, when the node is
+lost (health checks, proxy.liveness) or the attempt makes no progress within its timeout, and then treats it as a
+retryable failure of that node. Failures, at most `max_retries` retries per request in all:
+- a node that a call finds unreachable, or that the proxy gave up on, is marked down in the directory
+  (proxy.dead_nodes): routing leaves it out for a short back-off, so the requests after this one do not try it
+  first;
 - a retryable prefill failure runs the prefill again on another P (the same one only when no other can). When
   no prefill node is left at all, D prefills the prompt itself (colocated, as the router routes new requests
   then): nothing has been sent yet;
 - a retryable failure on D before it streamed anything (a transfer or checksum failure, a ticket gone stale,
-  D unreachable) releases the ticket and prefills again for a fresh ticket, on another P, and on another D
-  when D was unreachable. The K/V depends on the prompt alone, so the first token already sent stays valid.
-  When no prefill node is left, D goes on alone: a colocated request of the prompt + that first token, with
-  one token fewer to generate (greedy output is unchanged; presence and frequency penalties see that token
-  as prompt);
-- once D has streamed tokens, a failure ends the request with an error (never a replay of sent tokens).
+  D unreachable, lost or silent, P lost while D pulls from it) releases the ticket and prefills again for a
+  fresh ticket, on another P, and on another D when D itself failed that way. The K/V depends on the prompt
+  alone, so the first token already sent stays valid. When no prefill node is left, D goes on alone: a
+  colocated request of the prompt + that first token, with one token fewer to generate (greedy output is
+  unchanged; presence and frequency penalties see that token as prompt);
+- once D has streamed tokens, a failure ends the request with an error (never a replay of sent tokens); so does
+  losing D then.
+Each attempt has its own request id on its node (the request's id, then `-retryN`), so that the abort sent to a
+node the proxy gave up on (in the background, until the request's deadline: a frozen node that thaws frees the
+request's blocks) never hits a later attempt there.
 """
 
 from __future__ import annotations
@@ -26,20 +33,23 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
-import grpc
-
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from proxy.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts
 from proxy.clients import DecodeClient, NodeError, PrefillClient, Prefilled
 from proxy.directory import NodeDirectory, NodeView
+from proxy.liveness import FAILED_CHECKS_TO_LOSE
 from proxy.router import Mode, Route, Router, RouterConfig, RoutingPolicy
 from wire import KVTicket, Role
 
 logger = logging.getLogger(__name__)
 
 RETRY_PAUSE_S = 0.5
+CLEANUP_TIMEOUT_S = 2.0  # an abort or release to a node that is up
 
 
 @dataclass(frozen=True)
@@ -52,10 +62,13 @@ class TokenChunk:
 
 
 class PDPipeline:
-    def __init__(self, directory: NodeDirectory, router: Router, max_retries: int = 2) -> None:
+    def __init__(self, directory: NodeDirectory, router: Router, max_retries: int = 2,
+                 limits: AttemptLimits | None = None) -> None:
         self.directory = directory
         self.router = router
         self.max_retries = max_retries
+        self.attempts = Attempts(directory.liveness, limits or AttemptLimits())
+        self._background: set[asyncio.Future[None]] = set()  # clean-up calls to nodes given up on
 
     # what /health reads: clients of the nodes that routing may use now
     @property
@@ -71,6 +84,8 @@ class PDPipeline:
         await self.directory.start()
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         await self.directory.close()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -81,26 +96,28 @@ class PDPipeline:
         logger.debug("request %s: %s on %s%s (hit D %d, P %d tokens)", request_id, route.mode.value,
                      route.decode.node_id, f" after {route.prefill.node_id}" if route.prefill else "",
                      route.decode_hit_tokens, route.prefill_hit_tokens)
-        retries = _Retries(self.max_retries)
-        chunks = (self._colocated(route.decode, request_id, prompt_token_ids, params, deadline, retries)
+        retries = _Retries(self.max_retries, request_id, self.attempts.counts.retries)
+        chunks = (self._colocated(route.decode, prompt_token_ids, params, deadline, retries)
                   if route.mode is Mode.COLOCATED else
-                  self._disaggregated(route, request_id, prompt_token_ids, params, deadline, retries))
+                  self._disaggregated(route, prompt_token_ids, params, deadline, retries))
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
 
-    async def _colocated(self, decode: NodeView, request_id: str, prompt_token_ids: list[int],
-                         params: SamplingParams, deadline: float, retries: _Retries
-                         ) -> AsyncGenerator[TokenChunk, None]:
+    async def _colocated(self, decode: NodeView, prompt_token_ids: list[int], params: SamplingParams,
+                         deadline: float, retries: _Retries) -> AsyncGenerator[TokenChunk, None]:
         tried: set[str] = set()
         finished = False
+        attempt_id = retries.attempt_id(Role.DECODE)
         try:
             while True:
                 started = False
                 try:
+                    stream = self.directory.decode_client(decode).generate(attempt_id, prompt_token_ids, params,
+                                                                           None, deadline)
                     with self.router.decoding(decode):
-                        async for out in self.directory.decode_client(decode).generate(
-                                request_id, prompt_token_ids, params, None, deadline):
+                        # D prefills the prompt itself: its first token takes a prefill's time
+                        async for out in self.attempts.stream(decode, stream, self.attempts.limits.prefill_timeout_s):
                             if not started:
                                 self.directory.mark_alive(decode)
                             started = True
@@ -112,27 +129,29 @@ class PDPipeline:
                     failure = e
                 self._note_failure(decode, failure)
                 tried.add(decode.address)
-                # only an unreachable D is worth leaving; its other errors would repeat elsewhere
-                other = self.router.another_decode(tried) if failure.code == grpc.StatusCode.UNAVAILABLE else None
-                if started or not failure.retryable or other is None or not retries.spend():
+                # only a D unreachable, lost or silent is worth leaving; its other errors would repeat elsewhere
+                other = self.router.another_decode(tried) if failure.try_another_node else None
+                if started or not failure.retryable or other is None or not retries.spend(failure):
                     raise failure
-                logger.warning("request %s: %s; running it on %s instead", request_id, failure, other.node_id)
-                decode = other
+                await self._abort_abandoned(decode, attempt_id, failure, deadline)
+                logger.warning("request %s: %s; running it on %s instead", retries.request_id, failure,
+                               other.node_id)
+                decode, attempt_id = other, retries.attempt_id(Role.DECODE)
         finally:
             if not finished:  # client gone, deadline or error: stop D's work
-                await asyncio.shield(self.directory.decode_client(decode).abort(request_id))
+                await asyncio.shield(self._abort(decode, attempt_id, deadline))
 
-    async def _disaggregated(self, route: Route, request_id: str, prompt_token_ids: list[int],
-                             params: SamplingParams, deadline: float, retries: _Retries
-                             ) -> AsyncGenerator[TokenChunk, None]:
+    async def _disaggregated(self, route: Route, prompt_token_ids: list[int], params: SamplingParams,
+                             deadline: float, retries: _Retries) -> AsyncGenerator[TokenChunk, None]:
         assert route.prefill is not None, "a disaggregated route has a prefill node"
         decode = route.decode
         tried_prefill: set[str] = set()
-        got = await self._prefill_on_any(route, decode, route.prefill, request_id, prompt_token_ids, params,
-                                         deadline, retries, tried_prefill)
+        got = await self._prefill_on_any(route, decode, route.prefill, prompt_token_ids, params, deadline, retries,
+                                         tried_prefill)
         if got is None:  # no prefill node can be reached: D prefills it itself (nothing was sent yet)
-            logger.warning("request %s: no prefill node can be reached; %s prefills it", request_id, decode.node_id)
-            async with contextlib.aclosing(self._colocated(decode, request_id, prompt_token_ids, params, deadline,
+            logger.warning("request %s: no prefill node can be reached; %s prefills it", retries.request_id,
+                           decode.node_id)
+            async with contextlib.aclosing(self._colocated(decode, prompt_token_ids, params, deadline,
                                                            retries)) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -140,6 +159,7 @@ class PDPipeline:
         holder, prefilled = got
         held = prefilled.ticket  # pinned on `holder` until released
         finished = prefilled.finish_reason is not None or prefilled.ticket is None
+        attempt_id = retries.attempt_id(Role.DECODE)
         try:
             # inside the try: a client gone right after the first token still releases the ticket
             first_logprobs = [prefilled.first_logprobs] if prefilled.first_logprobs else []
@@ -150,9 +170,12 @@ class PDPipeline:
             while True:
                 started = False
                 try:
+                    stream = self.directory.decode_client(decode).generate(attempt_id, prompt_token_ids, params,
+                                                                           prefilled, deadline)
                     with self.router.decoding(decode):
-                        async for out in self.directory.decode_client(decode).generate(
-                                request_id, prompt_token_ids, params, prefilled, deadline):
+                        # until its first token D depends on `holder` too: it pulls the K/V from there
+                        async for out in self.attempts.stream(decode, stream,
+                                                              self.attempts.limits.first_token_timeout_s, holder):
                             if not started:
                                 self.directory.mark_alive(decode)
                             started = True
@@ -161,21 +184,26 @@ class PDPipeline:
                     return
                 except NodeError as e:
                     failure = e
-                self._note_failure(decode, failure)
-                if started or not failure.retryable or not retries.spend():
+                # an attempt given up because P was lost leaves D in place (only the abandonment names P)
+                failed = holder if failure.role == Role.PREFILL.value else decode
+                self._note_failure(failed, failure)
+                if started or not failure.retryable or not retries.spend(failure):
                     raise failure
+                await self._abort_abandoned(decode, attempt_id, failure, deadline)
                 # the ticket is spent or stale: give it back, prefill again for a fresh one
                 assert held is not None, "an unfinished prefill hands out a ticket"
-                await self.directory.prefill_client(holder).release(held)
+                await self._release(holder, held, deadline)
                 held = None
-                if failure.code == grpc.StatusCode.UNAVAILABLE:  # D itself is unreachable
+                if failed is decode and failure.try_another_node:
                     other_decode = self.router.another_decode({decode.address}) or decode
                     await _pause_if_same(decode, other_decode, retries.used)
                     decode = other_decode
+                attempt_id = retries.attempt_id(Role.DECODE)
                 tried_prefill.add(holder.address)
-                logger.warning("request %s: %s; prefilling again for %s", request_id, failure, decode.node_id)
-                got = await self._prefill_on_any(route, decode, None, f"{request_id}-retry{retries.used}",
-                                                 prompt_token_ids, params, deadline, retries, tried_prefill)
+                logger.warning("request %s: %s; prefilling again for %s", retries.request_id, failure,
+                               decode.node_id)
+                got = await self._prefill_on_any(route, decode, None, prompt_token_ids, params, deadline, retries,
+                                                 tried_prefill)
                 if got is None:
                     break
                 holder, again = got
@@ -185,56 +213,58 @@ class PDPipeline:
                                       prefilled.num_cached_tokens, again.ticket)
                 held = again.ticket
             # no prefill node can be reached: D goes on alone from the prompt and the first token already sent
-            logger.warning("request %s: no prefill node can be reached; %s continues it alone", request_id,
+            logger.warning("request %s: no prefill node can be reached; %s continues it alone", retries.request_id,
                            decode.node_id)
             finished = True  # the colocated stream cleans up after itself
             rest = dataclasses.replace(params, min_tokens=max(0, params.min_tokens - 1),
                                        max_tokens=None if params.max_tokens is None else params.max_tokens - 1)
-            async with contextlib.aclosing(self._colocated(decode, request_id, [*prompt_token_ids,
-                                                                                prefilled.first_token],
+            async with contextlib.aclosing(self._colocated(decode, [*prompt_token_ids, prefilled.first_token],
                                                            rest, deadline, retries)) as chunks:
                 async for chunk in chunks:
                     yield dataclasses.replace(chunk, num_cached_tokens=None)
         finally:
             if not finished:
                 # client gone, deadline or error: stop D's work and free P's pinned blocks
-                await asyncio.shield(_cleanup(self.directory.decode_client(decode),
-                                              self.directory.prefill_client(holder), request_id, held))
+                await asyncio.shield(self._clean_up(decode, attempt_id, holder, held, deadline))
 
-    async def _prefill_on_any(self, route: Route, decode: NodeView, first: NodeView | None, request_id: str,
+    async def _prefill_on_any(self, route: Route, decode: NodeView, first: NodeView | None,
                               prompt_token_ids: list[int], params: SamplingParams, deadline: float,
                               retries: _Retries, tried: set[str]) -> tuple[NodeView, Prefilled] | None:
         """Prefills on `first` (None: the best P for `decode`), then on others while the failures are retryable
         and retries are left. None when no prefill node is left to try: every one is unreachable or gone."""
         node = first or self.router.another_prefill(route, decode, tried)
         while node is not None:
+            attempt_id = retries.attempt_id(Role.PREFILL)
             try:
-                return node, await self._prefill(node, request_id, prompt_token_ids, params, deadline)
+                return node, await self._prefill(node, attempt_id, prompt_token_ids, params, deadline)
             except NodeError as e:
                 failure = e
             self._note_failure(node, failure)
+            await self._abort_abandoned(node, attempt_id, failure, deadline)
             tried.add(node.address)
             if not failure.retryable:
                 raise failure
             other = self.router.another_prefill(route, decode, tried)
             if other is None:
                 return None
-            if not retries.spend():
+            if not retries.spend(failure):
                 raise failure
-            logger.warning("request %s: %s; prefilling on %s instead", request_id, failure, other.node_id)
+            logger.warning("request %s: %s; prefilling on %s instead", retries.request_id, failure, other.node_id)
             await _pause_if_same(node, other, retries.used)
             node = other
         return None
 
-    async def _prefill(self, node: NodeView, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    async def _prefill(self, node: NodeView, attempt_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float) -> Prefilled:
         client = self.directory.prefill_client(node)
         with self.router.prefilling(node, len(prompt_token_ids)):
             try:
-                prefilled = await client.prefill(request_id, prompt_token_ids, params, deadline)
+                prefilled = await self.attempts.unary(
+                    node, client.prefill(attempt_id, prompt_token_ids, params, deadline),
+                    self.attempts.limits.prefill_timeout_s)
             except asyncio.CancelledError:
                 # the client went away mid-prefill: P may already hold (or be about to pin) blocks for it
-                await asyncio.shield(client.abort(request_id))
+                await asyncio.shield(self._abort(node, attempt_id, deadline))
                 raise
         self.directory.mark_alive(node)
         return prefilled
@@ -243,20 +273,64 @@ class PDPipeline:
         if failure.unreachable:
             self.directory.mark_down(node)
 
+    # ---- clean-up calls (shield them from a cancelled request: they must go out all the same) ----
+    async def _clean_up(self, decode: NodeView, attempt_id: str, holder: NodeView, ticket: KVTicket | None,
+                        deadline: float) -> None:
+        await self._abort(decode, attempt_id, deadline)
+        if ticket is not None:
+            await self._release(holder, ticket, deadline)
+
+    async def _abort_abandoned(self, node: NodeView, attempt_id: str, failure: NodeError, deadline: float) -> None:
+        """A node that failed an attempt has ended it itself; one running an attempt the proxy gave up on (for its
+        own sake, or for the prefill node it pulls from) may still run it."""
+        if isinstance(failure, AttemptAbandoned):
+            await self._abort(node, attempt_id, deadline)
+
+    async def _abort(self, node: NodeView, attempt_id: str, deadline: float) -> None:
+        client = (self.directory.prefill_client(node) if node.role is Role.PREFILL
+                  else self.directory.decode_client(node))
+        await self._tell(node, lambda timeout: client.abort(attempt_id, timeout), deadline)
+
+    async def _release(self, node: NodeView, ticket: KVTicket, deadline: float) -> None:
+        client = self.directory.prefill_client(node)
+        await self._tell(node, lambda timeout: client.release(ticket, timeout), deadline)
+
+    async def _tell(self, node: NodeView, call: Callable[[float], Awaitable[None]], deadline: float) -> None:
+        """Makes a clean-up call (abort, release) to `node`: awaited while the node is up. A node given up on gets
+        it in the background, with until the request's deadline to answer: nobody waits for a frozen node, and one
+        that thaws still frees what it held for the request (its cancelled RPC may have finished before it saw the
+        cancellation)."""
+        if not self.directory.is_down(node):
+            await call(CLEANUP_TIMEOUT_S)
+            return
+        task = asyncio.ensure_future(call(max(CLEANUP_TIMEOUT_S, deadline - time.time())))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
 
 @dataclass
 class _Retries:
-    """A request's retries, shared by its prefill and decode attempts."""
+    """A request's retries, shared by its prefill and decode attempts, and the ids its attempts go by."""
 
     limit: int
+    request_id: str
+    counts: Counter[str]  # retries by the role of the node that failed (AttemptCounts.retries)
     used: int = 0
+    _num_attempts: Counter[Role] = dataclasses.field(default_factory=Counter, init=False)
 
-    def spend(self) -> bool:
-        """Takes one retry; False when none is left."""
+    def spend(self, failure: NodeError) -> bool:
+        """Takes one retry of `failure`; False when none is left."""
         if self.used >= self.limit:
             return False
         self.used += 1
+        self.counts[failure.role] += 1
         return True
+
+    def attempt_id(self, role: Role) -> str:
+        """The request's id on the node of its next attempt of `role`: its own, then `-retryN`."""
+        num_attempts = self._num_attempts[role]
+        self._num_attempts[role] += 1
+        return self.request_id if num_attempts == 0 else f"{self.request_id}-retry{num_attempts}"
 
 
 async def _pause_if_same(failed: NodeView, chosen: NodeView, retries: int) -> None:
@@ -264,12 +338,6 @@ async def _pause_if_same(failed: NodeView, chosen: NodeView, retries: int) -> No
     and its channel retries the connection within a second."""
     if chosen.address == failed.address:
         await asyncio.sleep(RETRY_PAUSE_S * retries)
-
-
-async def _cleanup(decode: DecodeClient, prefill: PrefillClient, request_id: str, ticket: KVTicket | None) -> None:
-    await decode.abort(request_id)
-    if ticket is not None:
-        await prefill.release(ticket)
 
 
 def add_routing_args(parser: argparse.ArgumentParser) -> None:
@@ -287,7 +355,20 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--colocate-max-tokens", type=int, default=RouterConfig.colocate_max_tokens,
                         help="uncached prompt tokens an idle decode node prefills itself (0: always disaggregate)")
     parser.add_argument("--max-retries", type=int, default=2,
-                        help="prefill/transfer failures retried per request, on other nodes")
+                        help="failed or abandoned attempts retried per request, on other nodes")
+    parser.add_argument("--health-check-interval", type=float, default=1.0, metavar="SECONDS",
+                        help="seconds between health checks of the static nodes, and of registered nodes while "
+                             "requests are in flight on them")
+    parser.add_argument("--health-check-timeout", type=float, default=1.0, metavar="SECONDS",
+                        help="a node that does not answer Health within this long fails the check; after "
+                             f"{FAILED_CHECKS_TO_LOSE} failed checks in a row the proxy gives it up and retries the "
+                             "requests in flight there elsewhere")
+    parser.add_argument("--prefill-attempt-timeout", type=float, default=DEFAULT_ATTEMPT_TIMEOUT_S,
+                        metavar="SECONDS", help="a Prefill (or a colocated request's first token) not answered "
+                                            "within this long is retried elsewhere (0: no limit)")
+    parser.add_argument("--decode-first-token-timeout", type=float, default=DEFAULT_ATTEMPT_TIMEOUT_S,
+                        metavar="SECONDS", help="a decode node that has not streamed a handed-off request's first "
+                                            "token within this long is given up for it (0: no limit)")
 
 
 def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> PDPipeline:
@@ -295,11 +376,18 @@ def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("give --registry redis://HOST:PORT, or the nodes with --decode HOST:PORT (and --prefill)")
     if args.block_size <= 0 or args.colocate_max_tokens < 0 or args.max_retries < 0:
         parser.error("--block-size must be positive, --colocate-max-tokens and --max-retries not negative")
+    if args.health_check_interval <= 0 or args.health_check_timeout <= 0:
+        parser.error("--health-check-interval and --health-check-timeout must be positive")
+    if args.prefill_attempt_timeout < 0 or args.decode_first_token_timeout < 0:
+        parser.error("--prefill-attempt-timeout and --decode-first-token-timeout must not be negative")
     try:
         directory = NodeDirectory(args.prefill, args.decode, args.registry, block_size=args.block_size,
-                                  hash_seed=args.hash_seed)
+                                  hash_seed=args.hash_seed, health_interval_s=args.health_check_interval,
+                                  health_timeout_s=args.health_check_timeout)
     except ValueError as e:
         parser.error(str(e))
     config = RouterConfig(policy=RoutingPolicy(args.routing), block_size=args.block_size, hash_seed=args.hash_seed,
                           colocate_max_tokens=args.colocate_max_tokens)
-    return PDPipeline(directory, Router(directory, config), max_retries=args.max_retries)
+    limits = AttemptLimits(prefill_timeout_s=args.prefill_attempt_timeout or None,
+                           first_token_timeout_s=args.decode_first_token_timeout or None)
+    return PDPipeline(directory, Router(directory, config), max_retries=args.max_retries, limits=limits)

@@ -15,6 +15,7 @@ from engine.types import FinishReason, SamplingParams
 from proxy.clients import Decoded, NodeError, Prefilled
 from proxy.dead_nodes import DeadNodes
 from proxy.directory import NodeView
+from proxy.liveness import Liveness
 from proxy.pd import PDPipeline, TokenChunk
 from proxy.prefix_index import PrefixIndex
 from proxy.router import Router, RouterConfig
@@ -40,30 +41,53 @@ def unreachable(node: str) -> NodeError:
                      unreachable=True)
 
 
+HANG = "hang"  # in a fake node's script: the call never answers (a frozen node), until cancelled
+
+
+async def hang(cancelled: list[str], request_id: str) -> None:
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.append(request_id)
+        raise
+
+
 @dataclass
 class FakePrefill:
     name: str
-    failures: list[NodeError | None] = field(default_factory=list)  # per prefill, in order: fail, or None: answer
+    # per prefill, in order: fail, HANG, or None: answer
+    failures: list[NodeError | str | None] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)  # request ids of calls cancelled by the proxy
     released: list[str] = field(default_factory=list)  # ticket ids
+    aborted: list[str] = field(default_factory=list)
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float
                       ) -> Prefilled:
         self.calls.append(request_id)
         failure = self.failures.pop(0) if self.failures else None
-        if failure is not None:
+        if failure == HANG:
+            await hang(self.cancelled, request_id)
+        if isinstance(failure, NodeError):
             raise failure
         return Prefilled(7, None, None, 4, ticket(f"ticket-{self.name}-{len(self.calls)}"))
 
-    async def release(self, ticket: KVTicket) -> None:
+    async def release(self, ticket: KVTicket, timeout: float = 2.0) -> None:
         self.released.append(ticket.ticket_id)
+
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
+        self.aborted.append(request_id)
 
 
 @dataclass
 class FakeDecode:
     name: str
-    script: list[NodeError | None] = field(default_factory=list)  # per call: fail before streaming, or stream
+    # per call: fail or HANG before streaming, or None: stream
+    script: list[NodeError | str | None] = field(default_factory=list)
     fail_after_first: bool = False
+    hang_after_first: bool = False
+    calls: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
     tickets: list[str | None] = field(default_factory=list)  # ticket ids; None for colocated requests
     aborted: list[str] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
@@ -71,20 +95,25 @@ class FakeDecode:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, prefilled: Prefilled | None,
                        deadline: float) -> AsyncIterator[Decoded]:
+        self.calls.append(request_id)
         self.tickets.append(prefilled.ticket.ticket_id if prefilled is not None and prefilled.ticket else None)
         self.prompts.append(list(prompt))
         self.max_tokens.append(params.max_tokens)
         failure = self.script.pop(0) if self.script else None
-        if failure is not None:
+        if failure == HANG:
+            await hang(self.cancelled, request_id)
+        if isinstance(failure, NodeError):
             raise failure
         if prefilled is None:  # colocated: D samples the first token itself
             yield Decoded([7], [], None, None, num_cached_tokens=12)
         yield Decoded([8], [], None, None)
         if self.fail_after_first:
             raise retryable(self.name, grpc.StatusCode.UNAVAILABLE)
+        if self.hang_after_first:
+            await hang(self.cancelled, request_id)
         yield Decoded([9], [], FinishReason.LENGTH, None)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         self.aborted.append(request_id)
 
 
@@ -94,6 +123,7 @@ class FakeDirectory:
     decode: dict[str, FakeDecode]
     index: PrefixIndex = field(default_factory=PrefixIndex)
     dead: DeadNodes = field(default_factory=DeadNodes)  # the real dead-node cache, as NodeDirectory holds it
+    liveness: Liveness = field(default_factory=Liveness)  # the real one too
 
     async def start(self) -> None:
         return None
@@ -105,9 +135,13 @@ class FakeDirectory:
 
     def mark_down(self, node: NodeView) -> None:
         self.dead.mark_down(node.address)
+        self.liveness.lose(node.address, "unreachable")
 
     def mark_alive(self, node: NodeView) -> None:
         self.dead.mark_alive(node.address)
+
+    def is_down(self, node: NodeView) -> bool:
+        return self.dead.is_down(node.address)
 
     def prefill_client(self, node: NodeView) -> FakePrefill:
         return self.prefill[node.address]
