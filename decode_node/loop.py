@@ -17,7 +17,10 @@ A request's life on a decode node (D):
 
 A `Generate` without a ticket is a colocated request (the proxy judged prefilling here cheaper than a
 transfer, e.g. a short prompt or one mostly in D's prefix cache): D adds it to its engine like any request,
-prefills it (with its own prefix-cache hits) and streams every token, the first one included.
+prefills it (with its own prefix-cache hits) and streams every token, the first one included. With
+`output_token_ids` it continues a request that generated them elsewhere (the proxy migrates a request whose
+decode node was lost mid-stream): D computes prompt + those tokens and streams only the ones after them, which
+are those of the uninterrupted request (the tokens count as output: max_tokens, min_tokens, penalties, seeds).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -154,12 +157,15 @@ class DecodeLoop:
             await self._forget(request_id)
 
     async def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                             deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
-        """A colocated request: prefilled here, every token streamed (the first output carries the prefix hit)."""
+                             deadline: float | None, output_token_ids: Sequence[int] = ()
+                             ) -> AsyncGenerator[DecodeOutput, None]:
+        """A colocated request: prefilled here, every token streamed (the first output carries the prefix hit).
+        With `output_token_ids`, a continuation: the tokens after them."""
         events = self.engine.open_stream(request_id)
         try:
             try:
-                request = await self.engine.call(lambda e: e.add_request(request_id, prompt_token_ids, params))
+                request = await self.engine.call(lambda e: e.add_request(request_id, prompt_token_ids, params,
+                                                                         output_token_ids=output_token_ids))
             except ValueError as e:
                 raise DecodeError("INVALID_ARGUMENT", str(e)) from e
             first = True

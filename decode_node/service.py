@@ -37,6 +37,10 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         colocated = not request.HasField("ticket")  # no ticket: prefill here
+        if not colocated and request.output_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_token_ids continue a colocated request "
+                                                                  "only: a request with a ticket starts after its "
+                                                                  "first token")
         try:
             params = params_from_proto(request.params)
             ticket = None if colocated else ticket_from_proto(request.ticket)
@@ -47,7 +51,8 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         prompt = list(request.prompt_token_ids)
         if ticket is None:
-            outputs = self.loop.generate_local(request.request_id, prompt, params, deadline)
+            outputs = self.loop.generate_local(request.request_id, prompt, params, deadline,
+                                               list(request.output_token_ids))
         else:
             outputs = self.loop.generate(request.request_id, prompt, params, ticket, request.first_token,
                                          logprobs_from_proto(request.first_logprobs), deadline)

@@ -93,40 +93,52 @@ class LLMEngine:
         return list(self.tokenizer.encode(prompt))
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                     pin_blocks: bool = False) -> Request:
+                     pin_blocks: bool = False, output_token_ids: Sequence[int] = ()) -> Request:
         """Validates a prompt and parameters into a Request (not yet added).
 
-        With pin_blocks, the request finishes as FINISHED_PINNED: its blocks stay until free_pinned()."""
+        With pin_blocks, the request finishes as FINISHED_PINNED: its blocks stay until free_pinned().
+        `output_token_ids` continue a request that generated them elsewhere (a decode node that was lost): they
+        are computed with the prompt, as a preempted request's are recomputed, and count as output, so that
+        max_tokens, min_tokens, the penalties and the seeded noise of the next token are those of the request
+        that was not interrupted."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.n != 1:
             raise ValueError("the engine runs one sample per request; fan out n > 1 before (LLM.generate does)")
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
+        output = list(output_token_ids)
+        self._validate_prompt(token_ids, output)
+        if params.max_tokens is not None and len(output) >= params.max_tokens:
+            raise ValueError(f"the request has already generated {len(output)} tokens of max_tokens "
+                             f"{params.max_tokens}: nothing is left to generate")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = frozenset() if params.ignore_eos else self.model_config.eos_token_ids
         return Request(request_id, token_ids, params, eos_token_ids=eos, seed=seed,
-                       max_num_tokens=self.max_tokens_per_request, pin_blocks=pin_blocks)
+                       max_num_tokens=self.max_tokens_per_request, pin_blocks=pin_blocks,
+                       token_ids=[*token_ids, *output])
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def _validate_prompt(self, token_ids: list[int], output_token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
-        # the common case in C (type, min, max): a decode node validates every handed-off prompt on its engine
-        # thread, where a per-token Python loop over an 8k-token prompt costs a sizeable part of a decode step
-        valid = set(map(type, token_ids)) == {int} and 0 <= min(token_ids) and max(token_ids) < vocab
-        bad = None if valid else next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_tokens_per_request:
+        for ids, what in ((token_ids, "prompt"), (output_token_ids, "output")):
+            # the common case in C (type, min, max): a decode node validates every handed-off prompt on its engine
+            # thread, where a per-token Python loop over an 8k-token prompt costs a sizeable part of a decode step
+            valid = not ids or (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab)
+            bad = None if valid else next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{what} token id {bad!r} is outside the vocabulary [0, {vocab})")
+        num_tokens = len(token_ids) + len(output_token_ids)
+        if num_tokens >= self.max_tokens_per_request:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens, but this model's context holds {self.max_model_len} "
-                f"(max_model_len) and the KV cache {self.runner.num_blocks * self.config.block_size}; "
-                f"the prompt must leave room for at least one generated token")
+                f"{'prompt' if not output_token_ids else 'prompt and output so far'} has {num_tokens} tokens, but "
+                f"this model's context holds {self.max_model_len} (max_model_len) and the KV cache "
+                f"{self.runner.num_blocks * self.config.block_size}; the prompt must leave room for at least one "
+                "generated token")
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                    pin_blocks: bool = False) -> Request:
-        request = self.make_request(request_id, prompt, params, pin_blocks)
+                    pin_blocks: bool = False, output_token_ids: Sequence[int] = ()) -> Request:
+        request = self.make_request(request_id, prompt, params, pin_blocks, output_token_ids)
         self.submit(request)
         return request
 

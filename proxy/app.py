@@ -69,6 +69,7 @@ def read_max_model_len(model: Path, override: int | None = None) -> int | None:
 def create_app(state: ProxyState) -> Starlette:
     state.metrics.cluster.decision_counts = lambda: state.pipeline.router.decision_counts
     state.metrics.cluster.attempt_counts = lambda: state.pipeline.attempts.counts
+    state.metrics.cluster.migration_counts = lambda: state.pipeline.migrations.counts
 
     async def health(request: Request) -> Response:
         await state.pipeline.start()  # idempotent: /health sees registered nodes before any request

@@ -34,6 +34,7 @@ import grpc
 from proxy.clients import NodeError
 from proxy.directory import NodeView
 from proxy.liveness import Liveness, Watch
+from wire import Role
 
 T = TypeVar("T")
 
@@ -101,7 +102,7 @@ class Attempts:
                      until_first: NodeView | None = None) -> AsyncGenerator[T, None]:
         """The items of `chunks`, a stream from `node`. Until the first item the stream is also abandoned when
         `until_first` is lost (the node D pulls the KV from) or `first_timeout_s` passes; after it, only when
-        `node` is lost (no replay of what was sent: the caller raises)."""
+        `node` is lost (what was sent stays sent: proxy.migration continues the request elsewhere)."""
         with contextlib.ExitStack() as node_watch, contextlib.ExitStack() as first_watch:
             watch = node_watch.enter_context(self.liveness.watch(node.address))
             watches = [(node, watch)]
@@ -145,3 +146,28 @@ class Attempts:
             reason, message = AbandonReason.TIMEOUT, f"no progress within the attempt's timeout ({timeout_s:g} s)"
         self.counts.abandoned[(node.role.value, reason.value)] += 1
         return AttemptAbandoned(node, reason, message)
+
+
+@dataclass
+class Retries:
+    """A request's retries, shared by its prefill and decode attempts, and the ids its attempts go by."""
+
+    limit: int
+    request_id: str
+    counts: Counter[str]  # retries by the role of the node that failed (AttemptCounts.retries)
+    used: int = 0
+    _num_attempts: Counter[Role] = field(default_factory=Counter, init=False)
+
+    def spend(self, failure: NodeError) -> bool:
+        """Takes one retry of `failure`; False when none is left."""
+        if self.used >= self.limit:
+            return False
+        self.used += 1
+        self.counts[failure.role] += 1
+        return True
+
+    def attempt_id(self, role: Role) -> str:
+        """The request's id on the node of its next attempt of `role`: its own, then `-retryN`."""
+        num_attempts = self._num_attempts[role]
+        self._num_attempts[role] += 1
+        return self.request_id if num_attempts == 0 else f"{self.request_id}-retry{num_attempts}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -153,11 +153,14 @@ class DecodeClient(NodeClient):
         return tandem_pb2_grpc.DecodeServiceStub(self.channel)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prefilled: Prefilled | None, deadline: float) -> AsyncIterator[Decoded]:
+                       prefilled: Prefilled | None, deadline: float, output_token_ids: Sequence[int] = ()
+                       ) -> AsyncIterator[Decoded]:
         """Streams the request's tokens from D. Without `prefilled` (colocated), D prefills the prompt itself
-        and the stream starts with the first token; its first output carries D's prefix hit."""
+        and the stream starts with the first token; its first output carries D's prefix hit. `output_token_ids`
+        (colocated only): the tokens the request already generated elsewhere; the stream starts after them."""
         message = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     params=params_to_proto(params), deadline=deadline)
+                                     params=params_to_proto(params), deadline=deadline,
+                                     output_token_ids=output_token_ids)
         if prefilled is not None:
             assert prefilled.ticket is not None, "a prefilled request reaches D only with its ticket"
             message.ticket.CopyFrom(ticket_to_proto(prefilled.ticket))

@@ -8,7 +8,9 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
 - routing: pd_decisions_total{mode}, read from the router's decision counts;
 - failures handled: attempts_abandoned_total{role, reason} (attempts the proxy gave up on: reason node_lost or
   timeout, proxy.attempts) and request_retries_total{role} (failed or abandoned attempts retried, by the role
-  of the node that failed), read from the pipeline's counts;
+  of the node that failed), read from the pipeline's counts; decode_migrations_total{outcome} (requests whose
+  decode node was lost after streaming: migrated to another one, or not: no_decode_node, no_retry_left,
+  past_deadline; proxy.migration);
 - per node (`node_id`, `role` labels), from the nodes' Stats on each scrape: kv_cache_usage_perc,
   num_requests_waiting, node_num_requests_running, prefix_cache_queries_total / _hits_total (tokens),
   prefill_leases_expired_total, kv_transfer_failures_total, and node_up (0 when Stats failed).
@@ -30,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from proxy.attempts import AbandonReason, AttemptCounts
 from proxy.directory import NodeDirectory, NodeView
+from proxy.migration import MigrationOutcome
 from wire import NodeCapacity, NodeLoad, NodeStats, Role
 
 logger = logging.getLogger(__name__)
@@ -153,6 +156,7 @@ class ClusterCollector:
         self.nodes: list[NodeSnapshot] = []
         self.decision_counts: Callable[[], Mapping[str, int] | None] = lambda: None
         self.attempt_counts: Callable[[], AttemptCounts | None] = lambda: None
+        self.migration_counts: Callable[[], Mapping[str, int] | None] = lambda: None
 
     def collect(self) -> Iterator[Metric]:
         m = self.model_name
@@ -213,12 +217,18 @@ class ClusterCollector:
                                         "unreachable; timeout: no progress).", labels=["model_name", "role", "reason"])
         retries = CounterMetricFamily("tandem:request_retries", "Failed or abandoned attempts retried, by the role "
                                       "of the node that failed.", labels=["model_name", "role"])
+        migrations = CounterMetricFamily("tandem:decode_migrations", "Requests whose decode node was lost after it "
+                                         "streamed tokens, by outcome (migrated: continued on another decode node).",
+                                         labels=["model_name", "outcome"])
         counts = self.attempt_counts() or AttemptCounts()
         for role in Role:
             for reason in AbandonReason:
                 abandoned.add_metric([m, role.value, reason.value], counts.abandoned[(role.value, reason.value)])
             retries.add_metric([m, role.value], counts.retries[role.value])
-        yield from (abandoned, retries)
+        migration_counts = self.migration_counts() or {}
+        for outcome in MigrationOutcome:
+            migrations.add_metric([m, outcome.value], migration_counts.get(outcome.value, 0))
+        yield from (abandoned, retries, migrations)
 
 
 # ---- what the nodes say ----

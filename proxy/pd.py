@@ -16,11 +16,11 @@ retryable failure of that node. Failures, at most `max_retries` retries per requ
 - a retryable failure on D before it streamed anything (a transfer or checksum failure, a ticket gone stale,
   D unreachable, lost or silent, P lost while D pulls from it) releases the ticket and prefills again for a
   fresh ticket, on another P, and on another D when D itself failed that way. The K/V depends on the prompt
-  alone, so the first token already sent stays valid. When no prefill node is left, D goes on alone: a
-  colocated request of the prompt + that first token, with one token fewer to generate (greedy output is
-  unchanged; presence and frequency penalties see that token as prompt);
-- once D has streamed tokens, a failure ends the request with an error (never a replay of sent tokens); so does
-  losing D then.
+  alone, so the first token already sent stays valid. When no prefill node is left, D goes on alone from that
+  first token: a colocated continuation (below);
+- once D has streamed tokens, losing it (unreachable or given up) migrates the request (proxy.migration): another
+  D continues it from the tokens sent so far, a colocated Generate of the prompt with them as output tokens;
+  D's own errors then end the request with an error (never a replay of sent tokens).
 Each attempt has its own request id on its node (the request's id, then `-retryN`), so that the abort sent to a
 node the proxy gave up on (in the background, until the request's deadline: a frozen node that thaws frees the
 request's blocks) never hits a later attempt there.
@@ -31,18 +31,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
-from proxy.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts
+from proxy.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts, Retries
 from proxy.clients import DecodeClient, NodeError, PrefillClient, Prefilled
 from proxy.directory import NodeDirectory, NodeView
 from proxy.liveness import FAILED_CHECKS_TO_LOSE
+from proxy.migration import DecodeStreamBroken, Migrations
 from proxy.router import Mode, Route, Router, RouterConfig, RoutingPolicy
 from wire import KVTicket, Role
 
@@ -68,6 +67,7 @@ class PDPipeline:
         self.router = router
         self.max_retries = max_retries
         self.attempts = Attempts(directory.liveness, limits or AttemptLimits())
+        self.migrations = Migrations(router)
         self._background: set[asyncio.Future[None]] = set()  # clean-up calls to nodes given up on
 
     # what /health reads: clients of the nodes that routing may use now
@@ -96,16 +96,24 @@ class PDPipeline:
         logger.debug("request %s: %s on %s%s (hit D %d, P %d tokens)", request_id, route.mode.value,
                      route.decode.node_id, f" after {route.prefill.node_id}" if route.prefill else "",
                      route.decode_hit_tokens, route.prefill_hit_tokens)
-        retries = _Retries(self.max_retries, request_id, self.attempts.counts.retries)
-        chunks = (self._colocated(route.decode, prompt_token_ids, params, deadline, retries)
-                  if route.mode is Mode.COLOCATED else
-                  self._disaggregated(route, prompt_token_ids, params, deadline, retries))
+        retries = Retries(self.max_retries, request_id, self.attempts.counts.retries)
+        first = (self._colocated(route.decode, prompt_token_ids, params, deadline, retries)
+                 if route.mode is Mode.COLOCATED else
+                 self._disaggregated(route, prompt_token_ids, params, deadline, retries))
+
+        def resume(decode: NodeView, output_token_ids: list[int]) -> AsyncGenerator[TokenChunk, None]:
+            return self._colocated(decode, prompt_token_ids, params, deadline, retries, output_token_ids)
+
+        chunks = self.migrations.continued(first, retries, deadline, resume)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
 
     async def _colocated(self, decode: NodeView, prompt_token_ids: list[int], params: SamplingParams,
-                         deadline: float, retries: _Retries) -> AsyncGenerator[TokenChunk, None]:
+                         deadline: float, retries: Retries, output_token_ids: Sequence[int] = ()
+                         ) -> AsyncGenerator[TokenChunk, None]:
+        """D prefills the prompt and streams every token; with `output_token_ids` (sent to the client already),
+        D continues the request after them."""
         tried: set[str] = set()
         finished = False
         attempt_id = retries.attempt_id(Role.DECODE)
@@ -114,7 +122,7 @@ class PDPipeline:
                 started = False
                 try:
                     stream = self.directory.decode_client(decode).generate(attempt_id, prompt_token_ids, params,
-                                                                           None, deadline)
+                                                                           None, deadline, output_token_ids)
                     with self.router.decoding(decode):
                         # D prefills the prompt itself: its first token takes a prefill's time
                         async for out in self.attempts.stream(decode, stream, self.attempts.limits.prefill_timeout_s):
@@ -122,16 +130,19 @@ class PDPipeline:
                                 self.directory.mark_alive(decode)
                             started = True
                             finished = out.finish_reason is not None
+                            # a continuation's prefix hit is not the prompt's: that was reported with the first token
                             yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id,
-                                             out.num_cached_tokens)
+                                             None if output_token_ids else out.num_cached_tokens)
                     return
                 except NodeError as e:
                     failure = e
                 self._note_failure(decode, failure)
                 tried.add(decode.address)
+                if started:  # the tokens sent stay sent: the request continues elsewhere or fails (proxy.migration)
+                    raise DecodeStreamBroken(decode, failure)
                 # only a D unreachable, lost or silent is worth leaving; its other errors would repeat elsewhere
                 other = self.router.another_decode(tried) if failure.try_another_node else None
-                if started or not failure.retryable or other is None or not retries.spend(failure):
+                if not failure.retryable or other is None or not retries.spend(failure):
                     raise failure
                 await self._abort_abandoned(decode, attempt_id, failure, deadline)
                 logger.warning("request %s: %s; running it on %s instead", retries.request_id, failure,
@@ -142,7 +153,7 @@ class PDPipeline:
                 await asyncio.shield(self._abort(decode, attempt_id, deadline))
 
     async def _disaggregated(self, route: Route, prompt_token_ids: list[int], params: SamplingParams,
-                             deadline: float, retries: _Retries) -> AsyncGenerator[TokenChunk, None]:
+                             deadline: float, retries: Retries) -> AsyncGenerator[TokenChunk, None]:
         assert route.prefill is not None, "a disaggregated route has a prefill node"
         decode = route.decode
         tried_prefill: set[str] = set()
@@ -187,7 +198,9 @@ class PDPipeline:
                 # an attempt given up because P was lost leaves D in place (only the abandonment names P)
                 failed = holder if failure.role == Role.PREFILL.value else decode
                 self._note_failure(failed, failure)
-                if started or not failure.retryable or not retries.spend(failure):
+                if started:  # the tokens sent stay sent: the request continues elsewhere or fails (proxy.migration)
+                    raise DecodeStreamBroken(decode, failure)
+                if not failure.retryable or not retries.spend(failure):
                     raise failure
                 await self._abort_abandoned(decode, attempt_id, failure, deadline)
                 # the ticket is spent or stale: give it back, prefill again for a fresh one
@@ -216,12 +229,10 @@ class PDPipeline:
             logger.warning("request %s: no prefill node can be reached; %s continues it alone", retries.request_id,
                            decode.node_id)
             finished = True  # the colocated stream cleans up after itself
-            rest = dataclasses.replace(params, min_tokens=max(0, params.min_tokens - 1),
-                                       max_tokens=None if params.max_tokens is None else params.max_tokens - 1)
-            async with contextlib.aclosing(self._colocated(decode, [*prompt_token_ids, prefilled.first_token],
-                                                           rest, deadline, retries)) as chunks:
+            async with contextlib.aclosing(self._colocated(decode, prompt_token_ids, params, deadline, retries,
+                                                           [prefilled.first_token])) as chunks:
                 async for chunk in chunks:
-                    yield dataclasses.replace(chunk, num_cached_tokens=None)
+                    yield chunk
         finally:
             if not finished:
                 # client gone, deadline or error: stop D's work and free P's pinned blocks
@@ -229,7 +240,7 @@ class PDPipeline:
 
     async def _prefill_on_any(self, route: Route, decode: NodeView, first: NodeView | None,
                               prompt_token_ids: list[int], params: SamplingParams, deadline: float,
-                              retries: _Retries, tried: set[str]) -> tuple[NodeView, Prefilled] | None:
+                              retries: Retries, tried: set[str]) -> tuple[NodeView, Prefilled] | None:
         """Prefills on `first` (None: the best P for `decode`), then on others while the failures are retryable
         and retries are left. None when no prefill node is left to try: every one is unreachable or gone."""
         node = first or self.router.another_prefill(route, decode, tried)
@@ -306,31 +317,6 @@ class PDPipeline:
         task = asyncio.ensure_future(call(max(CLEANUP_TIMEOUT_S, deadline - time.time())))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-@dataclass
-class _Retries:
-    """A request's retries, shared by its prefill and decode attempts, and the ids its attempts go by."""
-
-    limit: int
-    request_id: str
-    counts: Counter[str]  # retries by the role of the node that failed (AttemptCounts.retries)
-    used: int = 0
-    _num_attempts: Counter[Role] = dataclasses.field(default_factory=Counter, init=False)
-
-    def spend(self, failure: NodeError) -> bool:
-        """Takes one retry of `failure`; False when none is left."""
-        if self.used >= self.limit:
-            return False
-        self.used += 1
-        self.counts[failure.role] += 1
-        return True
-
-    def attempt_id(self, role: Role) -> str:
-        """The request's id on the node of its next attempt of `role`: its own, then `-retryN`."""
-        num_attempts = self._num_attempts[role]
-        self._num_attempts[role] += 1
-        return self.request_id if num_attempts == 0 else f"{self.request_id}-retry{num_attempts}"
 
 
 async def _pause_if_same(failed: NodeView, chosen: NodeView, retries: int) -> None:

@@ -177,3 +177,36 @@ def test_context_limit_ends_with_length(tiny_model: TinyModelFactory) -> None:
     out = llm.generate([prompts_of((9,))[0]], SamplingParams(temperature=0.0, max_tokens=None,
                                                              ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason == FinishReason.LENGTH
+
+
+def _continued(llm: LLM, prompt: list[int], params: SamplingParams, output_token_ids: list[int]) -> list[int]:
+    """The tokens an engine generates after `output_token_ids`, given as the request's output so far (a decode
+    migration's continuation)."""
+    engine = llm.engine
+    engine.add_request("continued", prompt, params, output_token_ids=output_token_ids)
+    token_ids = []
+    while engine.has_unfinished():
+        token_ids += [step.token_id for step in engine.step()]
+    return token_ids
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    # seeded noise of output token k depends on (seed, k); penalties count output tokens; min_tokens from the start
+    SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, min_tokens=6, presence_penalty=0.5,
+                   frequency_penalty=0.5, repetition_penalty=1.2),
+], ids=["greedy", "seeded-with-penalties"])
+def test_a_request_continued_from_its_output_so_far_generates_what_the_undisturbed_one_did(
+        llm: LLM, params: SamplingParams) -> None:
+    prompt = prompts_of((9,), seed=3)[0]
+    undisturbed = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert len(undisturbed) == 10
+    for k in (1, 4, 9):
+        assert _continued(llm, prompt, params, undisturbed[:k]) == undisturbed[k:], f"continued after {k} tokens"
+
+
+def test_a_continuation_must_leave_a_token_to_generate(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="nothing is left to generate"):
+        llm.engine.make_request("c", [5, 6], SamplingParams(max_tokens=2), output_token_ids=[7, 8])
+    with pytest.raises(ValueError, match="output token id"):
+        llm.engine.make_request("c", [5, 6], SamplingParams(max_tokens=4), output_token_ids=[10**9])

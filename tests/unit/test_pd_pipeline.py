@@ -5,7 +5,7 @@ unreachable nodes left out of routing (the colocated fallback when no prefill no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -92,19 +92,21 @@ class FakeDecode:
     aborted: list[str] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
     max_tokens: list[int | None] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # the output_token_ids of each call
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, prefilled: Prefilled | None,
-                       deadline: float) -> AsyncIterator[Decoded]:
+                       deadline: float, output_token_ids: Sequence[int] = ()) -> AsyncIterator[Decoded]:
         self.calls.append(request_id)
         self.tickets.append(prefilled.ticket.ticket_id if prefilled is not None and prefilled.ticket else None)
         self.prompts.append(list(prompt))
         self.max_tokens.append(params.max_tokens)
+        self.outputs.append(list(output_token_ids))
         failure = self.script.pop(0) if self.script else None
         if failure == HANG:
             await hang(self.cancelled, request_id)
         if isinstance(failure, NodeError):
             raise failure
-        if prefilled is None:  # colocated: D samples the first token itself
+        if prefilled is None and not output_token_ids:  # colocated: D samples the first token itself
             yield Decoded([7], [], None, None, num_cached_tokens=12)
         yield Decoded([8], [], None, None)
         if self.fail_after_first:
@@ -207,9 +209,9 @@ def test_retries_are_bounded() -> None:
     assert len(d.tickets) == 3 and len(p1.calls) == 3  # the first try and max_retries=2 more
 
 
-def test_a_decode_failure_after_streaming_is_raised_not_replayed() -> None:
+def test_a_decode_node_lost_after_streaming_with_no_other_decode_node_is_raised_not_replayed() -> None:
     p1, p2 = FakePrefill("p1"), FakePrefill("p2")
-    d = FakeDecode("d1", fail_after_first=True)
+    d = FakeDecode("d1", fail_after_first=True)  # no other D to migrate to (tests/unit/test_pd_migration.py)
     with pytest.raises(NodeError):
         run(pipeline(FakeDirectory({"p1": p1, "p2": p2}, {"d1": d})))
     assert len(d.tickets) == 1 and p2.calls == [] and d.aborted == ["r"]
@@ -263,8 +265,9 @@ def test_a_handoff_whose_prefill_node_died_continues_on_the_decode_node_from_the
     p1 = FakePrefill("p1", [None, unreachable("p1")])  # the first prefill answers; the second finds P gone
     d = FakeDecode("d1", script=[retryable("d1"), None])
     chunks = run(pipeline(FakeDirectory({"p1": p1}, {"d1": d})))
-    # the first token came from P once; D continues from prompt + that token, one token fewer to generate
-    assert tokens(chunks)[0] == 7 and d.prompts[1] == [*PROMPT, 7] and d.max_tokens == [3, 2]
+    # the first token came from P once; D continues the request after that token (its output so far)
+    assert tokens(chunks) == [7, 8, 9] and d.prompts[1] == PROMPT and d.outputs == [[], [7]]
+    assert d.max_tokens == [3, 3]  # the engine counts the output tokens: the parameters stay the request's
     assert d.tickets == ["ticket-p1-1", None] and p1.released == ["ticket-p1-1"]
     assert all(c.num_cached_tokens is None for c in chunks[1:])
 
