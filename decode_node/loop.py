@@ -207,7 +207,7 @@ class DecodeLoop:
         one that sees DONE verifying and, when the lease is confirmed by then, admitting too."""
         started = time.perf_counter()
         request, blocks, handle = await self._reserve_and_read(request_id, prompt_token_ids, params, ticket,
-                                                               deadline)
+                                                               first.token_id, deadline)
         local = blocks.block_ids[blocks.num_cached_blocks:]
         expected = ticket.block_checksums[blocks.num_cached_blocks:]
         read_at = time.perf_counter()
@@ -272,7 +272,7 @@ class DecodeLoop:
         return request, admitted
 
     async def _reserve_and_read(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                                ticket: KVTicket, deadline: float | None
+                                ticket: KVTicket, first_token: int, deadline: float | None
                                 ) -> tuple[Request, ReservedBlocks, TransferHandle | None]:
         """The request with blocks for its prompt and the READ of those it lacks started (None: it lacks none),
         waiting (and extending the lease) while the pool is full."""
@@ -289,7 +289,8 @@ class DecodeLoop:
         made: list[Request] = []
 
         def reserve_and_read(engine: LLMEngine) -> tuple[Request, ReservedBlocks | None, TransferHandle | None]:
-            if not made:
+            if not made:  # the request and its first token are checked before anything is pulled
+                engine.validate_token_ids([first_token], "first token id")
                 made.append(engine.make_request(request_id, prompt_token_ids, params))
             blocks = engine.reserve_remote_kv(made[0])
             if blocks is None or blocks.num_cached_blocks == len(blocks.block_ids):

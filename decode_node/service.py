@@ -15,6 +15,7 @@ from node_common.load import engine_stats
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import (
+    deadline_from_proto,
     logprobs_from_proto,
     logprobs_to_proto,
     params_from_proto,
@@ -43,10 +44,10 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                                                                   "first token")
         try:
             params = params_from_proto(request.params)
+            deadline = deadline_from_proto(request.deadline)
             ticket = None if colocated else ticket_from_proto(request.ticket)
         except (ValueError, InvalidTicketError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        deadline = request.deadline or None
         if deadline is not None and deadline <= time.time():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         prompt = list(request.prompt_token_ids)

@@ -117,17 +117,24 @@ class LLMEngine:
                        max_num_tokens=self.max_tokens_per_request, pin_blocks=pin_blocks,
                        token_ids=[*token_ids, *output])
 
+    def validate_token_ids(self, token_ids: Sequence[int], what: str) -> None:
+        """ValueError naming the first of `token_ids` (`what`: "prompt token id", ...) outside the vocabulary: a
+        token the model has no embedding for must never reach a step (it would end the engine thread)."""
+        if not token_ids:
+            return
+        vocab = self.model_config.vocab_size
+        # the common case in C (type, min, max): a decode node validates every handed-off prompt on its engine
+        # thread, where a per-token Python loop over an 8k-token prompt costs a sizeable part of a decode step
+        valid = set(map(type, token_ids)) == {int} and 0 <= min(token_ids) and max(token_ids) < vocab
+        bad = None if valid else next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{what} {bad!r} is outside the vocabulary [0, {vocab})")
+
     def _validate_prompt(self, token_ids: list[int], output_token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        for ids, what in ((token_ids, "prompt"), (output_token_ids, "output")):
-            # the common case in C (type, min, max): a decode node validates every handed-off prompt on its engine
-            # thread, where a per-token Python loop over an 8k-token prompt costs a sizeable part of a decode step
-            valid = not ids or (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab)
-            bad = None if valid else next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"{what} token id {bad!r} is outside the vocabulary [0, {vocab})")
+        self.validate_token_ids(token_ids, "prompt token id")
+        self.validate_token_ids(output_token_ids, "output token id")
         num_tokens = len(token_ids) + len(output_token_ids)
         if num_tokens >= self.max_tokens_per_request:
             raise ValueError(
@@ -156,6 +163,7 @@ class LLMEngine:
     def admit_remote_kv(self, request_id: str, first_token: SampledToken) -> StepOutput:
         """The reserved blocks now hold the prompt's K/V and `first_token` was sampled elsewhere: the request
         joins the batch. The returned output says whether that first token already finished it."""
+        self.validate_token_ids([first_token.token_id], "first token id")
         return self.scheduler.admit_remote_kv(request_id, first_token)
 
     # ---- requests out ----

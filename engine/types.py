@@ -7,6 +7,7 @@ Names follow vLLM's so its users feel at home.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 
 
@@ -56,6 +57,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        # NaN passes every comparison below unnoticed, and an infinite temperature or penalty turns logits into NaN
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from engine.async_engine import AsyncEngine
 from node_common.registrar import registration
@@ -88,6 +89,44 @@ class InFlightRPCs(grpc.aio.ServerInterceptor):
         return counted
 
 
+class UndecodableRequests(grpc.aio.ServerInterceptor):
+    """Answers a request whose bytes are not a message of its method's type (truncated, garbled, a string field
+    that is not UTF-8) with INVALID_ARGUMENT and the parser's reason. gRPC itself would answer UNKNOWN, a status
+    that says nothing of whose fault it is, with a traceback in the node's log."""
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def parsed_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                return await unary(await _parse(parse, raw, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(parsed_unary,
+                                                       response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+
+            async def parsed_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for response in stream(await _parse(parse, raw, context), context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(parsed_stream,
+                                                        response_serializer=handler.response_serializer)
+        return handler  # the nodes have no client-streaming RPCs
+
+
+async def _parse(parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    try:
+        return parse(raw)
+    except DecodeError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message: {e}")
+
+
 async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], None], host: str, port: int,
                 on_stop: Callable[[], None], drain: DrainPolicy,
                 on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -97,7 +136,7 @@ async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], N
     not wait `announce_s` and only lets the work it already has finish.
     """
     in_flight = InFlightRPCs()
-    server = grpc.aio.server(interceptors=[in_flight],
+    server = grpc.aio.server(interceptors=[in_flight, UndecodableRequests()],
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     add_services(server)

@@ -14,7 +14,13 @@ from node_common.load import engine_stats
 from prefill_node.loop import PrefillError, PrefillLoop
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from protos.convert import logprobs_to_proto, params_from_proto, stats_to_proto, ticket_to_proto
+from protos.convert import (
+    deadline_from_proto,
+    logprobs_to_proto,
+    params_from_proto,
+    stats_to_proto,
+    ticket_to_proto,
+)
 from wire import NodeStats
 
 logger = logging.getLogger(__name__)
@@ -34,9 +40,9 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         try:
             params = params_from_proto(request.params)
+            deadline = deadline_from_proto(request.deadline)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        deadline = request.deadline or None
         if deadline is not None and deadline <= time.time():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         try:

@@ -6,6 +6,8 @@ types. Torch-free: the proxy imports it.
 
 from __future__ import annotations
 
+import math
+
 from engine.types import Logprob, PositionLogprobs, SamplingParams
 from protos import tandem_pb2 as pb
 from wire import InvalidTicketError, KVTicket, NodeCapacity, NodeLoad, NodeStats
@@ -36,6 +38,15 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, min_tokens=msg.min_tokens,
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+# ---- a request's deadline ----
+def deadline_from_proto(deadline: float) -> float | None:
+    """A request's deadline (unix time), None for 0 (none). Raises ValueError for NaN and infinities: a deadline
+    no clock reaches, or one no comparison can tell."""
+    if not math.isfinite(deadline):
+        raise ValueError(f"deadline must be a finite unix time (0: none), got {deadline}")
+    return deadline or None
 
 
 # ---- logprobs ----

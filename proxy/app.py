@@ -1,4 +1,5 @@
-"""The starlette app: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions), /health, /metrics.
+"""The starlette app: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions), /health, /metrics, and
+/openapi.json (proxy/openapi.py) that describes them.
 
 A request's path: authorize → read the body (at most --max-request-body-bytes: 413 beyond) → decode the JSON,
 parse (openai_api) and tokenize (chat template for chat) on a tokenizer thread, off the event loop → check the
@@ -39,6 +40,7 @@ from proxy.openai_api import (
     parse_chat,
     parse_completion,
 )
+from proxy.openapi import ServedAPI, openapi_schema
 from proxy.request_body import decode_json, read_body
 from proxy.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
 from proxy.serving import ProxyState, SubRequest, fan_out, generate
@@ -70,6 +72,8 @@ def create_app(state: ProxyState) -> Starlette:
     state.metrics.cluster.decision_counts = lambda: state.pipeline.router.decision_counts
     state.metrics.cluster.attempt_counts = lambda: state.pipeline.attempts.counts
     state.metrics.cluster.migration_counts = lambda: state.pipeline.migrations.counts
+    schema = openapi_schema(ServedAPI(state.served_model_name, len(state.tokenizer), state.max_model_len,
+                                      state.max_request_body_bytes, state.api_key is not None))
 
     async def health(request: Request) -> Response:
         await state.pipeline.start()  # idempotent: /health sees registered nodes before any request
@@ -123,10 +127,18 @@ def create_app(state: ProxyState) -> Starlette:
             return _error_response(e)
         return await _serve(request, state, ChatFormat, [prompt_ids], parsed.generation, arrival, "messages")
 
+    async def openapi(request: Request) -> Response:
+        try:
+            _authorize(state, request)
+        except APIError as e:
+            return _error_response(e)
+        return JSONResponse(schema)
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return _error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        # a 405's Allow header lists the methods the path takes (RFC 9110)
+        return _error_response(APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {})))
 
     async def client_gone(request: Request, exc: Exception) -> Response:
         return Response(status_code=499)  # left while sending its body: nobody reads an answer
@@ -148,7 +160,7 @@ def create_app(state: ProxyState) -> Starlette:
         Route("/health", health), Route("/metrics", metrics),
         Route("/v1/models", models), Route("/v1/models/{model:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/openapi.json", openapi),
     ], exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone, Exception: internal_error})
 
 

@@ -98,10 +98,19 @@ def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any
 
 
 def _number(body: dict[str, Any], key: str, default: float) -> float:
-    value = float(_typed(body, key, (int, float), default))
+    try:
+        value = float(_typed(body, key, (int, float), default))
+    except OverflowError:  # an integer of hundreds of digits: no float holds it
+        value = math.inf
     if not math.isfinite(value):  # Python's json reads NaN and Infinity
         raise bad_request(f"'{key}' must be a finite number", key)
     return value
+
+
+def integer_bounds(bits: int = 32) -> tuple[int, int]:
+    """The integers a request field may hold (both ends included): those of the wire's signed `bits`-bit field,
+    less MAX_CHOICES at the top so that a seed + the sample's index still fits."""
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - MAX_CHOICES - 1
 
 
 def _integer(body: dict[str, Any], key: str, default: int | None, bits: int = 32) -> int | None:
@@ -111,7 +120,8 @@ def _integer(body: dict[str, Any], key: str, default: int | None, bits: int = 32
         value = int(value)  # some clients send 16.0
     else:
         value = _typed(body, key, (int,), default)
-    if value is not None and not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1) - MAX_CHOICES:
+    lowest, highest = integer_bounds(bits)
+    if value is not None and not lowest <= value <= highest:
         raise bad_request(f"'{key}' is out of range", key)
     result: int | None = value
     return result
@@ -132,18 +142,31 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return stop
 
 
+def _whole_number(value: Any) -> bool:
+    """An integer as JSON Schema has it: 7 and 7.0, not true."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
 def _token_ids(value: Any, key: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if not isinstance(value, list) or not all(_whole_number(t) for t in value):
         raise bad_request(f"'{key}' must be a list of integers", key)
-    if any(not 0 <= t < 2**31 for t in value):
+    token_ids = [int(t) for t in value]
+    if any(not 0 <= t < 2**31 for t in token_ids):
         raise bad_request(f"'{key}' must hold token ids (non-negative integers)", key)
-    return value
+    return token_ids
+
+
+def _refuse_if_given(body: dict[str, Any], key: str, kind: type, message: str, param: str | None = None) -> None:
+    """A parameter we cannot honour: absent, null or empty (of its type) is fine; anything else is refused."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise bad_request(f"'{key}' must be {_kind_names((kind,))}, got {value!r}"[:300], param or key)
+    if value:
+        raise bad_request(message, param or key, "unsupported_parameter")
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    logit_bias = body.get("logit_bias")
-    if logit_bias:
-        raise bad_request("'logit_bias' is not supported yet", "logit_bias", "unsupported_parameter")
+    _refuse_if_given(body, "logit_bias", dict, "'logit_bias' is not supported yet")
     response_format = body.get("response_format")
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -220,8 +243,7 @@ def parse_completion(raw: Any) -> CompletionRequest:
         raise bad_request("'prompt' must not be empty", "prompt")
     if _flag(body, "echo", False):
         raise bad_request("'echo' is not supported yet", "echo", "unsupported_parameter")
-    if body.get("suffix"):
-        raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
+    _refuse_if_given(body, "suffix", str, "'suffix' is not supported")
     generation = _generation(body, _integer(body, "max_tokens", 16), _integer(body, "logprobs", None))
     if len(prompts) * generation.params.n > MAX_CHOICES:
         raise bad_request(f"prompts x n must be at most {MAX_CHOICES}", "n")
@@ -250,8 +272,8 @@ def _messages(value: Any) -> list[ChatMessage]:
     for i, message in enumerate(value):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise bad_request("tool calls are not supported yet", "messages", "unsupported_parameter")
+        _refuse_if_given(message, "tool_calls", list, "tool calls are not supported yet", "messages")
+        _refuse_if_given(message, "function_call", dict, "tool calls are not supported yet", "messages")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise bad_request(f"messages[{i}].name must be a string", "messages")
@@ -262,11 +284,13 @@ def _messages(value: Any) -> list[ChatMessage]:
 def parse_chat(raw: Any) -> ChatRequest:
     body = _body(raw)
     messages = _messages(body.get("messages"))
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tools and function calling are not supported yet", "tools", "unsupported_parameter")
-    max_tokens = _integer(body, "max_completion_tokens", None)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", None)
+    for key in ("tools", "functions"):
+        _refuse_if_given(body, key, list, "tools and function calling are not supported yet", "tools")
+    # both are checked, the newer name wins
+    max_tokens = _integer(body, "max_tokens", None)
+    max_completion_tokens = _integer(body, "max_completion_tokens", None)
+    if max_completion_tokens is not None:
+        max_tokens = max_completion_tokens
     num_top_logprobs = _integer(body, "top_logprobs", None)
     if _flag(body, "logprobs", False):
         num_top_logprobs = num_top_logprobs or 0

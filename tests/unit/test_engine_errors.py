@@ -35,6 +35,20 @@ def test_token_ids_outside_the_vocabulary_are_rejected(llm: LLM) -> None:
         llm.generate([[5, 100_000]], SamplingParams())
 
 
+def test_a_first_token_outside_the_vocabulary_is_refused_and_the_engine_runs_on(llm: LLM) -> None:
+    """A decode node's first token comes from the wire: one beyond the vocabulary used to reach a step and end the
+    engine thread (found by tests/integration/test_fuzz_nodes.py)."""
+    from engine.sampler import SampledToken
+
+    engine = llm.engine
+    request = engine.make_request("remote", [5, 6, 7], SamplingParams(max_tokens=2))
+    assert engine.reserve_remote_kv(request) is not None
+    with pytest.raises(ValueError, match="first token id 100000 is outside the vocabulary"):
+        engine.admit_remote_kv("remote", SampledToken(100_000))
+    assert engine.abort("remote") and not engine.requests
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
 def test_a_bad_prompt_fails_the_call_before_any_work(llm: LLM) -> None:
     with pytest.raises(ValueError):
         llm.generate([[5, 6], []], SamplingParams())
@@ -47,6 +61,10 @@ def test_a_bad_prompt_fails_the_call_before_any_work(llm: LLM) -> None:
     ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"presence_penalty": 3.0}, "presence_penalty"), ({"logprobs": -1}, "logprobs"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),
+    # NaN passes every range check, an infinite temperature or penalty makes NaN logits (found by
+    # tests/integration/test_fuzz_nodes.py: a NaN temperature over gRPC was served)
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"min_p": float("nan")}, "min_p"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=field):

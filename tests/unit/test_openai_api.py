@@ -56,6 +56,12 @@ def test_vllm_extras_and_float_integers_are_accepted() -> None:
     ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
+    # found while writing proxy/openapi.py: a number of 400 digits (no float holds it) was a 500, and falsy
+    # values of the wrong type (0, {}) slipped past the parameters we refuse
+    ({"prompt": "x", "temperature": 10**400}, "temperature"),
+    ({"prompt": "x", "suffix": 0}, "suffix"),
+    ({"prompt": "x", "logit_bias": 0}, "logit_bias"),
+    ({"prompt": [1, 2.5]}, "prompt"),
 ])
 def test_bad_or_unsupported_completion_fields_are_refused_by_name(body: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as e:
@@ -68,6 +74,25 @@ def test_chat_takes_max_completion_tokens_over_max_tokens_and_logprobs_as_a_flag
     assert parsed.generation.params.max_tokens == 9 and parsed.generation.params.logprobs == 0
     assert parse_chat({"messages": MESSAGES, "logprobs": True, "top_logprobs": 3}).generation.params.logprobs == 3
     assert parse_chat({"messages": MESSAGES}).generation.params.max_tokens is None  # up to the context
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MESSAGES, "max_completion_tokens": 3, "max_tokens": "many"}, "max_tokens"),  # was never read
+    ({"messages": MESSAGES, "tools": {}}, "tools"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": 0}]}, "messages"),
+    ({"messages": [{"role": "assistant", "content": "x", "function_call": [1]}]}, "messages"),
+])
+def test_bad_chat_fields_are_refused_by_name(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_chat(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_token_ids_may_be_whole_floats_as_json_schema_integers_are() -> None:
+    """Found by schemathesis (tests/integration/test_fuzz_openapi.py): JSON Schema's integer 843.0 was refused."""
+    assert parse_completion({"prompt": [293, 843.0]}).prompts == [[293, 843]]
+    assert parse_completion({"prompt": "x", "stop_token_ids": [7.0]}).generation.params.stop_token_ids == [7]
+    assert parse_chat({"messages": [{"role": "assistant", "content": None, "tool_calls": []}]}).messages
 
 
 def test_chat_text_parts_are_joined_and_the_generation_prompt_is_on_by_default() -> None:
@@ -266,3 +291,19 @@ def test_health_and_metrics_read_the_pipelines_directory_and_router(tokenizer_di
     assert health.json() == {"status": "unavailable", "ready_nodes": {"prefill": 0, "decode": 0}}
     assert metrics.status_code == 200
     assert 'tandem:pd_decisions_total{mode="colocated",model_name="m"} 2.0' in metrics.text
+
+
+def test_a_method_the_path_does_not_take_gets_405_with_allow_and_the_envelope(tokenizer_dir: Path) -> None:
+    """Found by schemathesis' unsupported_method check: the 405 lost starlette's Allow header (RFC 9110 wants it)."""
+    import httpx
+
+    state = _state(tokenizer_dir, ScriptedPipeline([1]))
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as http:
+            return await http.delete("/v1/completions")
+
+    response = asyncio.run(run())
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["code"] == "method_not_allowed"
