@@ -85,12 +85,10 @@ class _LeaseCheck:
         self.future = future
         # set on the event loop, read on the engine thread (a plain attribute: no asyncio call from there)
         self.confirmed = False
-        self.confirmed_early = False
         future.add_done_callback(self._answered)
 
     def _answered(self, future: asyncio.Future[bool]) -> None:
-        self.confirmed = self.confirmed_early = (not future.cancelled() and future.exception() is None
-                                                 and future.result() is True)
+        self.confirmed = not future.cancelled() and future.exception() is None and future.result() is True
 
     @property
     def answered_not_live(self) -> bool:
@@ -259,6 +257,7 @@ class DecodeLoop:
             self.num_transfers += 1
             self.transfer_seconds += time.perf_counter() - read_at
         pulled_at = time.perf_counter()
+        admitted_in_poll = admitted is not None
         if admitted is None:  # the lease's answer came after the blocks
             if not await lease.live():
                 raise lease.not_live_error(ticket)
@@ -268,7 +267,7 @@ class DecodeLoop:
                 raise DecodeError("CANCELLED", str(e)) from e
         logger.debug("request %s: %d blocks; reserve+read %.2f ms, pull+verify %.2f ms, admitted at %.2f ms%s",
                      request_id, len(local), (read_at - started) * 1e3, (pulled_at - read_at) * 1e3,
-                     (time.perf_counter() - started) * 1e3, "" if lease.confirmed_early else " (after the lease)")
+                     (time.perf_counter() - started) * 1e3, "" if admitted_in_poll else " (after the lease)")
         return request, admitted
 
     async def _reserve_and_read(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -30,6 +30,21 @@ def block_pattern(seed: int, num_blocks: int, block_bytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
 
 
+def receive_reply(conn: Connection, process: Any, label: str, timeout: float) -> Any:
+    """A peer process's answer on `conn`: its value, or RemoteError for its ("error", ...) answers; TimeoutError
+    when it does not answer in time, ConnectionError when it died."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"{label} pid {process.pid} did not answer in {timeout} s (alive: {process.is_alive()})")
+    try:
+        kind, value = conn.recv()
+    except EOFError:
+        process.join(5)
+        raise ConnectionError(f"{label} pid {process.pid} died (exit code {process.exitcode})") from None
+    if kind == "error":
+        raise RemoteError(*value)
+    return value
+
+
 class RemoteError(Exception):
     """An exception raised in the peer process: `type_name` is its class name, `is_transfer_error` whether it is
     a kvtransfer TransferError."""
@@ -82,18 +97,7 @@ class PeerProcess:
         return self._receive(timeout)
 
     def _receive(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer {self.backend} pid {self.process.pid} did not answer in {timeout} s "
-                               f"(alive: {self.process.is_alive()})")
-        try:
-            kind, value = self._conn.recv()
-        except EOFError:
-            self.process.join(5)
-            raise ConnectionError(f"peer {self.backend} pid {self.process.pid} died "
-                                  f"(exit code {self.process.exitcode})") from None
-        if kind == "error":
-            raise RemoteError(*value)
-        return value
+        return receive_reply(self._conn, self.process, f"peer {self.backend}", timeout)
 
     def is_alive(self) -> bool:
         return self.process.is_alive()

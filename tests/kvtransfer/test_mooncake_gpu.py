@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kvtransfer.peer_process import DEFAULT_LAYOUT, RemoteError, block_pattern
+from tests.kvtransfer.peer_process import DEFAULT_LAYOUT, block_pattern, receive_reply
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -121,18 +121,8 @@ class GpuPeer:
         return self._receive(timeout)
 
     def _receive(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"GPU peer pid {self.process.pid} did not answer in {timeout} s "
-                               f"(alive: {self.process.is_alive()})")
-        try:
-            kind, value = self._conn.recv()
-        except EOFError:
-            self.process.join(5)
-            raise ConnectionError(f"GPU peer pid {self.process.pid} died (exit code {self.process.exitcode}): "
-                                  "its stderr above says why") from None
-        if kind == "error":
-            raise RemoteError(*value)
-        return value
+        # a GPU peer dies loudly (CUDA, Mooncake): its stderr above the error says why
+        return receive_reply(self._conn, self.process, "GPU peer", timeout)
 
     @functools.cached_property
     def pattern(self) -> np.ndarray:
