@@ -95,6 +95,23 @@ def main() -> None:
         table = pages.to(torch.int32)[None]
         starts = torch.tensor([0, length], dtype=torch.int32, device="cuda")
         lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+        # the engine's path: TritonAttention as a prefill step calls it (store_kv included), dense route on
+        from engine.kernels.backend import TritonAttention
+        from engine.layers.attention import AttentionMetadata
+
+        slots = (pages[torch.arange(length, device="cuda") // PAGE] * PAGE
+                 + torch.arange(length, device="cuda") % PAGE)
+        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=starts, seq_lens=lens, block_tables=table,
+                                 num_decodes=0, query_start_loc_host=[0, length], seq_lens_host=[length])
+        for label, min_tokens in (("dense", 1024), ("paged", 0)):
+            step = functools.partial(TritonAttention(min_tokens).forward, q, k, v, k_cache, v_cache, meta, D ** -0.5)
+            try:
+                out = step()
+                seconds = timed(step)
+                print(f"engine backend ({label})             {tflops(length, seconds):6.0f} TFLOP/s "
+                      f"({seconds * 1e3:.3f} ms) err {error(out[check], expected):.1e}", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"engine backend ({label}) failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
         for m, n, w, s in [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 4, 3),
                            (64, 64, 4, 3), (128, 128, 4, 3), (256, 64, 8, 3), (128, 32, 4, 4)]:
             paged = functools.partial(paged_prefill_attention, q, k_cache, v_cache, table, starts, lens,
