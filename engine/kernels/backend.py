@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 
@@ -18,6 +19,8 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata
 # would cost more than it saves.
 DENSE_PREFILL_MIN_TOKENS = 1024
 _DENSE_DTYPES = (torch.bfloat16, torch.float16)
+_DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
 
 
 class TritonAttention(AttentionBackend):
@@ -38,14 +41,18 @@ class TritonAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         num_decodes = meta.num_decodes
+        dense_from = self._dense_from(q, meta)
+        if meta.num_seqs == 1 and not num_decodes and dense_from and meta.seq_lens_host[0] >= dense_from \
+                and meta.seq_lens_host[0] == q.shape[0]:
+            # one fresh prompt is the whole step (a long prompt usually is): its result is the output, no copy
+            return dense_causal_attention(q, k, v, scale)
+        out = torch.empty_like(q)
         if num_decodes:
             self._decode(q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
                          meta.seq_lens[:num_decodes], scale, meta.sliding_window, out=out[:num_decodes])
         if meta.num_seqs > num_decodes:
             starts = meta.query_start_loc_host
-            dense_from = self._dense_from(q, meta)
             paged_query_lens = []
             for b in range(num_decodes, meta.num_seqs):
                 rows = slice(starts[b], starts[b + 1])
@@ -73,6 +80,9 @@ class TritonAttention(AttentionBackend):
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one whole sequence over its own K/V. q: [T, Hq, D]; k, v: [T, Hkv, D] (any row
     stride: views of the fused qkv projection are fine) -> [T, Hq, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+    # cuDNN first, then flash: torch's own order may change between versions, and on the H200 flash (FA2)
+    # runs at half of cuDNN's rate here (bench/h200/prefill_probe.py)
+    with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

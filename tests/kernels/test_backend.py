@@ -68,3 +68,11 @@ def test_triton_backend_on_gpu_matches_torch_backend(dtype: torch.dtype, sliding
     query_lens = [1] * 16 + [2000, 700, 512]
     seq_lens = [100 * i + 1 for i in range(1, 17)] + [2000, 3100, 4096]
     _check_backend(query_lens, seq_lens, 16, 32, 8, 128, 16, dtype, sliding_window, "cuda")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_backend_on_gpu_one_long_fresh_prompt(dtype: torch.dtype) -> None:
+    """A step that is one fresh prompt long enough for the dense path returns its result directly."""
+    _check_backend([1500], [1500], 0, 32, 8, 128, 16, dtype, None, "cuda")
+    _check_backend([1500, 1200], [1500, 1200], 0, 32, 8, 128, 16, dtype, None, "cuda")
