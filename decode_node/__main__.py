@@ -29,7 +29,7 @@ def main() -> None:
     async_engine.add_ticker(lambda _: connector.progress())
     layout_hash = kv_layout(engine).layout_hash
     loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient())
-    service = DecodeService(loop, async_engine, name, args.model, args.kv_backend)
+    service = DecodeService(loop, async_engine, name, args.model, args.kv_backend, args.max_logprobs)
     identity = NodeIdentity(name, Role.DECODE, advertised_address(args), args.model, layout_hash, args.kv_backend,
                             args.hash_seed)
 

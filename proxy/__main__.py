@@ -1,7 +1,8 @@
 """python -m proxy (--registry redis://HOST:PORT | --prefill HOST:PORT --decode HOST:PORT) --model DIR
-[--port 8000] [--api-key KEY] [--routing prefix_load|round_robin] [--block-size N --hash-seed S] [--config FILE]
+[--port 8000] [--api-key KEY ...] [--api-key-file FILE] [--routing prefix_load|round_robin] [--block-size N --hash-seed S] [--config FILE]
 [--max-request-body-bytes N] [--tokenizer-threads N] [--max-retries N] [--health-check-interval S]
-[--health-check-timeout S] [--prefill-attempt-timeout S] [--decode-first-token-timeout S]"""
+[--health-check-timeout S] [--prefill-attempt-timeout S] [--decode-first-token-timeout S]
+[--max-n N] [--max-logprobs N] [--max-tokens-limit N] [--node-tls-ca FILE --node-tls-cert FILE --node-tls-key FILE]"""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import uvicorn
 
 from engine.tokenizer import load_tokenizer
 from proxy.app import ProxyState, create_app, read_max_model_len
+from proxy.auth import load_api_keys
+from proxy.limits import add_limit_args, limits_from_args
 from proxy.pd import add_routing_args, pipeline_from_args
 from proxy.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from proxy.serving import DEFAULT_TOKENIZER_THREADS
@@ -30,8 +33,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--api-key", default=environment.api_key(),
-                        help="clients must send 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY; none: open)")
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="clients must send 'Authorization: Bearer KEY'; give it again for more keys (default: "
+                             "$TANDEM_API_KEY; none: open). /health and /metrics stay open")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="more keys, one a line (# comments and blank lines skipped); keeps keys off the "
+                             "command line")
+    add_limit_args(parser)  # --max-n, --max-logprobs, --max-tokens-limit
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-requests", type=int, default=None,
@@ -45,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     if args.max_request_body_bytes <= 0 or args.tokenizer_threads <= 0:
         parser.error("--max-request-body-bytes and --tokenizer-threads must be positive")
     args.hashing = hashing
+    args.limits = limits_from_args(parser, args)
+    try:
+        args.api_keys = load_api_keys(args.api_key, args.api_key_file, environment.api_key())
+    except ValueError as e:
+        parser.error(str(e))
     return parser, args
 
 
@@ -55,9 +68,9 @@ def main() -> None:
     pipeline = pipeline_from_args(parser, args)
     default_name = model.stem if model.suffix == ".gguf" else model.name
     state = ProxyState(pipeline, load_tokenizer(model), args.served_model_name or default_name, args.request_timeout,
-                       max_model_len=read_max_model_len(model, args.max_model_len), api_key=args.api_key or None,
+                       max_model_len=read_max_model_len(model, args.max_model_len), api_keys=args.api_keys,
                        max_num_requests=args.max_num_requests, max_request_body_bytes=args.max_request_body_bytes,
-                       tokenizer_threads=args.tokenizer_threads)
+                       tokenizer_threads=args.tokenizer_threads, limits=args.limits)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
 
 
