@@ -1,9 +1,9 @@
 """Who may call the proxy: its clients' API keys, sent as `Authorization: Bearer KEY`.
 
 Keys come from --api-key (repeatable) and --api-key-file (one key a line; blank lines and lines starting with # are
-skipped), else from $TANDEM_API_KEY (how `tandem serve` hands its --api-key over); none at all leaves the API open. /health and /metrics stay open whatever the keys, as
-vLLM's do (probes and scrapers carry no key): keep the proxy's port off the internet, or put /metrics behind the
-network policy. Every other path needs a key.
+skipped), else from $TANDEM_API_KEY (how `tandem serve` hands its --api-key over); none at all leaves the API open.
+/health and /metrics stay open whatever the keys, as vLLM's do (probes and scrapers carry no key): keep /metrics
+behind the network policy where the load it shows is private. Every other path needs a key.
 
 How keys are kept and compared, and why:
 - only SHA-256 digests of the keys are held, so no repr, log line, traceback or metric label can show a key;

@@ -35,6 +35,9 @@ class RequestLimits:
             raise ValueError(f"--max-tokens-limit must be at least 1, got {self.max_tokens}")
 
 
+DEFAULT_LIMITS = RequestLimits()
+
+
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=MAX_CHOICES, metavar="N",
                         help=f"choices one request may ask for (n; for completions prompts x n), at most "

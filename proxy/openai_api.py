@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.types import SamplingParams
-from proxy.limits import MAX_CHOICES, RequestLimits
+from proxy.limits import DEFAULT_LIMITS, MAX_CHOICES, RequestLimits
 
 
 class APIError(Exception):
@@ -235,7 +235,7 @@ def _body(body: Any) -> dict[str, Any]:
 
 # ---- the two endpoints ----
 
-def parse_completion(raw: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
+def parse_completion(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     body = _body(raw)
     prompt = body.get("prompt")
     prompts: list[str | list[int]]
@@ -292,7 +292,7 @@ def _messages(value: Any) -> list[ChatMessage]:
     return messages
 
 
-def parse_chat(raw: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
+def parse_chat(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     body = _body(raw)
     messages = _messages(body.get("messages"))
     for key in ("tools", "functions"):

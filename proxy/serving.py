@@ -23,8 +23,8 @@ import grpc
 
 from engine.output_processor import OutputDelta, OutputProcessor
 from engine.types import PositionLogprobs, SamplingParams
-from proxy.clients import NodeError
 from proxy.auth import APIKeys
+from proxy.clients import NodeError
 from proxy.errors import NoHealthyNodes, Overloaded, without_addresses
 from proxy.limits import RequestLimits
 from proxy.metrics import ProxyMetrics
@@ -52,8 +52,8 @@ class ProxyState:
     """What the HTTP layer serves with. `max_model_len` bounds prompt + max_tokens (HTTP 400 beyond);
     `max_num_requests` bounds the choices in flight at this proxy (HTTP 429 beyond); `max_request_body_bytes`
     a request's body (HTTP 413 beyond); `limits` a request's n, logprobs and max_tokens (HTTP 400 beyond);
-    `api_keys` who may call (HTTP 401 without one of them; none: open). Bodies are decoded and tokenized on `tokenizer_threads` threads, never
-    on the event loop, so that a big one stalls no stream and no health check."""
+    `api_keys` who may call (HTTP 401 without one of them; none: open). Bodies are decoded and tokenized on
+    `tokenizer_threads` threads, never on the event loop, so that a big one stalls no stream and no health check."""
 
     pipeline: PDPipeline
     tokenizer: Any
