@@ -1,7 +1,7 @@
 """Who may call the proxy: its clients' API keys, sent as `Authorization: Bearer KEY`.
 
-Keys come from --api-key (repeatable) and --api-key-file (one key a line; blank lines and lines starting with # are
-skipped), else from $TANDEM_API_KEY (how `tandem serve` hands its --api-key over); none at all leaves the API open.
+Keys come from --api-key (repeatable; else $TANDEM_API_KEY, how `tandem serve` hands its --api-key over) and from
+--api-key-file (one key a line; blank lines and lines starting with # are skipped); none at all leaves the API open.
 /health and /metrics stay open whatever the keys, as vLLM's do (probes and scrapers carry no key): keep /metrics
 behind the network policy where the load it shows is private. Every other path needs a key.
 
@@ -73,11 +73,9 @@ def read_key_file(path: Path) -> list[str]:
 
 
 def load_api_keys(flag_keys: Iterable[str] | None, key_file: str | None, env_key: str | None) -> APIKeys:
-    """The keys of --api-key (every time it is given) and --api-key-file together; $TANDEM_API_KEY only when neither
-    flag is given (flags beat the environment, as every setting's do)."""
-    keys = [k for k in (flag_keys or ()) if k]
+    """The keys of --api-key (every time it is given; else $TANDEM_API_KEY, as a flag beats its env var) and of
+    --api-key-file, together."""
+    keys = [k for k in (flag_keys or ()) if k] or ([env_key] if env_key else [])
     if key_file:
         keys += read_key_file(Path(key_file))
-    if not keys and not key_file and env_key:
-        keys.append(env_key)
     return APIKeys(keys)

@@ -14,7 +14,8 @@ control.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
 
 from settings.spec import ConfigError, group, setting
 
@@ -30,6 +31,7 @@ class ServerTLSSettings:
               "they signed (mutual TLS; clients give --node-tls-cert/--node-tls-key)", metavar="FILE")
 
     def __post_init__(self) -> None:
+        _absolute_paths(self)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -54,6 +56,7 @@ class ClientTLSSettings:
               "ssl_target_name_override): for nodes that share one certificate", metavar="NAME")
 
     def __post_init__(self) -> None:
+        _absolute_paths(self, but=("node_tls_server_name",))
         if (self.node_tls_cert is None) != (self.node_tls_key is None):
             raise ConfigError("--node-tls-cert and --node-tls-key go together")
         if self.node_tls_ca is None and (self.node_tls_cert is not None or self.node_tls_server_name is not None):
@@ -63,6 +66,15 @@ class ClientTLSSettings:
     @property
     def enabled(self) -> bool:
         return self.node_tls_ca is not None
+
+
+def _absolute_paths(settings: ServerTLSSettings | ClientTLSSettings, but: tuple[str, ...] = ()) -> None:
+    """Relative paths are the reader's (its working directory): made absolute here, so that processes `tandem serve`
+    starts elsewhere (Ray workers) read the same files."""
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if f.name not in but and value is not None:
+            object.__setattr__(settings, f.name, os.path.abspath(value))  # a frozen dataclass, still being built
 
 
 @dataclass(frozen=True)
