@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     parser.add_argument("--api-key-file", default=None, metavar="FILE",
                         help="more keys, one a line (# comments and blank lines skipped); keeps keys off the "
                              "command line")
+    parser.add_argument("--metrics-require-api-key", action="store_true",
+                        help="/metrics needs an API key too (default: open, as vLLM's, for scrapers without one; it "
+                             "names the nodes)")
     add_limit_args(parser)  # --max-n, --max-logprobs, --max-tokens-limit
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
@@ -79,7 +82,8 @@ def main() -> None:
     state = ProxyState(pipeline, load_tokenizer(model), args.served_model_name or default_name, args.request_timeout,
                        max_model_len=read_max_model_len(model, args.max_model_len), api_keys=args.api_keys,
                        max_num_requests=args.max_num_requests, max_request_body_bytes=args.max_request_body_bytes,
-                       tokenizer_threads=args.tokenizer_threads, limits=args.limits)
+                       tokenizer_threads=args.tokenizer_threads, limits=args.limits,
+                       metrics_need_key=args.metrics_require_api_key)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
 
 

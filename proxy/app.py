@@ -72,7 +72,8 @@ def create_app(state: ProxyState) -> Starlette:
     state.metrics.cluster.attempt_counts = lambda: state.pipeline.attempts.counts
     state.metrics.cluster.migration_counts = lambda: state.pipeline.migrations.counts
     schema = openapi_schema(ServedAPI(state.served_model_name, len(state.tokenizer), state.max_model_len,
-                                      state.max_request_body_bytes, bool(state.api_keys), state.limits))
+                                      state.max_request_body_bytes, bool(state.api_keys), state.limits,
+                                      state.metrics_need_key))
 
     async def health(request: Request) -> Response:
         await state.pipeline.start()  # idempotent: /health sees registered nodes before any request
@@ -83,6 +84,11 @@ def create_app(state: ProxyState) -> Starlette:
         return JSONResponse({"status": status, "ready_nodes": ready}, status_code=503 if not ready["decode"] else 200)
 
     async def metrics(request: Request) -> Response:
+        if state.metrics_need_key:  # open by default, as vLLM's: Prometheus scrapes without a key
+            try:
+                _authorize(state, request)
+            except APIError as e:
+                return _error_response(e)
         await state.pipeline.start()
         state.metrics.cluster.nodes = await poll_nodes(state.pipeline.directory)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

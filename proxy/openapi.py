@@ -36,6 +36,7 @@ class ServedAPI:
     max_request_body_bytes: int
     api_key_required: bool
     limits: RequestLimits = field(default_factory=RequestLimits)  # --max-n, --max-logprobs, --max-tokens-limit
+    metrics_need_key: bool = False  # --metrics-require-api-key
 
 
 def _ref(name: str) -> Schema:
@@ -361,7 +362,8 @@ def openapi_schema(api: ServedAPI) -> Schema:
                 "503": _json(_ref("Health"), "No decode node is ready (status unavailable).")}, False)},
             "/metrics": {"get": _operation(api, "Metrics", {"200": {
                 "description": "Prometheus text exposition.",
-                "content": {"text/plain": {"schema": {"type": "string"}}}}}, False)},
+                "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **(_auth_responses(api) if api.metrics_need_key else {})}, api.metrics_need_key)},
             "/openapi.json": {"get": _operation(api, "OpenAPI", {
                 "200": _json({"type": "object"}, "This document."), **_auth_responses(api)}, True)},
         },

@@ -52,8 +52,9 @@ class ProxyState:
     """What the HTTP layer serves with. `max_model_len` bounds prompt + max_tokens (HTTP 400 beyond);
     `max_num_requests` bounds the choices in flight at this proxy (HTTP 429 beyond); `max_request_body_bytes`
     a request's body (HTTP 413 beyond); `limits` a request's n, logprobs and max_tokens (HTTP 400 beyond);
-    `api_keys` who may call (HTTP 401 without one of them; none: open). Bodies are decoded and tokenized on
-    `tokenizer_threads` threads, never on the event loop, so that a big one stalls no stream and no health check."""
+    `api_keys` who may call (HTTP 401 without one of them; none: open), /metrics too when `metrics_need_key`.
+    Bodies are decoded and tokenized on `tokenizer_threads` threads, never on the event loop, so that a big one
+    stalls no stream and no health check."""
 
     pipeline: PDPipeline
     tokenizer: Any
@@ -65,6 +66,7 @@ class ProxyState:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     limits: RequestLimits = field(default_factory=RequestLimits)
+    metrics_need_key: bool = False
     metrics: ProxyMetrics = field(init=False)  # each state its own registry: several apps fit in one process
     num_running: int = field(init=False, default=0)  # choices in flight
     # each token's text on its own (for logprobs), shared by every request's OutputProcessor
