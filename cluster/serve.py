@@ -180,10 +180,7 @@ async def _run(config: ServeConfig, pools: PoolManager, model: Path, served_mode
     admin_url = f"http://127.0.0.1:{admin_socket.getsockname()[1]}"
     proxy_url = f"http://{config.host}:{config.port}"
     client_keys = _client_keys(config)
-    token = environment.admin_token() or new_token()
-    if client_keys.matches(token):
-        raise ServeError("the admin token ($TANDEM_ADMIN_TOKEN) is also a client API key: an API key must not grant "
-                         "admin access; give them different values")
+    token = admin_token(environment.admin_token(), client_keys)
     app = create_admin_app(pools, token, on_scale=wake.set,
                            extra_status={"proxy_url": proxy_url, "model": served_model_name}, client_keys=client_keys)
     admin = AdminServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
@@ -232,6 +229,15 @@ async def _start_pools(pools: PoolManager, stop: asyncio.Event) -> bool:
                 return False
         progress.set(total)
     return True
+
+
+def admin_token(chosen: str | None, client_keys: APIKeys) -> str:
+    """The admin API's token: the operator's ($TANDEM_ADMIN_TOKEN), else a random one. Never a client key."""
+    token = chosen or new_token()
+    if client_keys.matches(token):
+        raise ServeError("the admin token ($TANDEM_ADMIN_TOKEN) is also a client API key: an API key must not grant "
+                         "admin access; give them different values")
+    return token
 
 
 def _client_keys(config: ServeConfig) -> APIKeys:
