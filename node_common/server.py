@@ -128,6 +128,14 @@ async def _parse(parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.Se
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message: {e}")
 
 
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Binds `address`: TLS only with `credentials` (no plaintext port beside it), else plaintext. The port bound;
+    0 when it cannot be."""
+    if credentials is not None:
+        return server.add_secure_port(address, credentials)
+    return server.add_insecure_port(address)
+
+
 async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], None], host: str, port: int,
                 on_stop: Callable[[], None], drain: DrainPolicy,
                 on_drain: Callable[[], Awaitable[None]] | None = None,
@@ -143,9 +151,7 @@ async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], N
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     add_services(server)
-    bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
-             else server.add_insecure_port(f"{host}:{port}"))
-    if bound == 0:
+    if add_port(server, f"{host}:{port}", credentials) == 0:
         raise SystemExit(f"cannot listen on {host}:{port}")
     engine.start()
     await server.start()
