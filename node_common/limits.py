@@ -15,8 +15,15 @@ from engine.types import SamplingParams
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default; the proxy's too
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS, metavar="N",
+    parser.add_argument("--max-logprobs", type=_count, default=DEFAULT_MAX_LOGPROBS, metavar="N",
                         help="top logprobs per token a request may ask for, as vLLM's; more is refused with "
                              f"INVALID_ARGUMENT (default: {DEFAULT_MAX_LOGPROBS})")
 
