@@ -166,3 +166,4 @@ def test_tandem_serve_gives_the_proxy_its_key_file_and_tls_and_refuses_an_admin_
         admin_token("sk-b", client_keys)
     assert admin_token("admin-secret", client_keys) == "admin-secret"
     assert not client_keys.matches(admin_token(None, client_keys))  # a random one
+
