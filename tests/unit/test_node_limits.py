@@ -78,3 +78,5 @@ def test_the_node_flag_defaults_to_vllms_max_logprobs() -> None:
     add_node_args(parser)
     assert parser.parse_args(["--model", "m", "--port", "1"]).max_logprobs == 20
     assert parser.parse_args(["--model", "m", "--port", "1", "--max-logprobs", "3"]).max_logprobs == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--port", "1", "--max-logprobs", "-1"])
