@@ -4,12 +4,15 @@
     POST /scale {"prefill": N, "decode": M}  -> 202 and the status (either key may be left out)
 
 Scaling is asynchronous: `/scale` sets the desired sizes and the pools' control loop starts or drains nodes.
+
+The admin token is its own secret ($TANDEM_ADMIN_TOKEN, else a random one written to the state file), never one of
+the proxy's client API keys: a request without it gets 401, one bearing a client key 403 (a client is known, but not
+allowed to scale). Errors carry the OpenAI error envelope, as the proxy's do.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import secrets
 import socket
@@ -24,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cluster.pools import ROLES, PoolManager
+from proxy.auth import APIKeys, bearer_token
 
 MAX_POOL_SIZE = 256
 
@@ -40,37 +44,51 @@ def status_body(pools: PoolManager, extra: dict[str, Any] | None = None) -> dict
 
 
 def create_admin_app(pools: PoolManager, token: str, on_scale: Callable[[], None] | None = None,
-                     extra_status: dict[str, Any] | None = None) -> Starlette:
-    """`on_scale` wakes the control loop; `extra_status` (proxy URL, model) is added to /status."""
+                     extra_status: dict[str, Any] | None = None, client_keys: APIKeys | None = None) -> Starlette:
+    """`on_scale` wakes the control loop; `extra_status` (proxy URL, model) is added to /status; `client_keys`
+    (the proxy's) are told apart from a wrong token (403, not 401)."""
+    admin = APIKeys([token])
+    clients = client_keys or APIKeys()
 
-    def authorized(request: Request) -> bool:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token.encode())
+    def error(status: int, message: str, code: str, kind: str = "invalid_request_error",
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                            status_code=status, headers=headers)
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message}}, status_code=status)
+    def refusal(request: Request) -> JSONResponse | None:
+        given = bearer_token(request.headers)
+        if given is not None and admin.matches(given):
+            return None
+        if given is not None and clients.matches(given):
+            return error(403, "a client API key does not grant admin access: use the admin token", "forbidden",
+                         "permission_error")
+        return error(401, "missing or wrong admin token (Authorization: Bearer ...)", "invalid_admin_token",
+                     "authentication_error", {"WWW-Authenticate": "Bearer"})
+
+    def bad(message: str) -> JSONResponse:
+        return error(400, message, "invalid_request")
 
     async def status(request: Request) -> Response:
-        if not authorized(request):
-            return error(401, "missing or wrong admin token (Authorization: Bearer ...)")
+        if (refused := refusal(request)) is not None:
+            return refused
         return JSONResponse(status_body(pools, extra_status))
 
     async def scale(request: Request) -> Response:
-        if not authorized(request):
-            return error(401, "missing or wrong admin token (Authorization: Bearer ...)")
+        if (refused := refusal(request)) is not None:
+            return refused
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return error(400, "the body must be JSON, e.g. {\"decode\": 2}")
+            return bad("the body must be JSON, e.g. {\"decode\": 2}")
         if not isinstance(body, dict) or not body or set(body) - set(ROLES):
-            return error(400, f"the body must map some of {', '.join(ROLES)} to node counts")
+            return bad(f"the body must map some of {', '.join(ROLES)} to node counts")
         for role, size in body.items():
             if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_POOL_SIZE:
-                return error(400, f"{role}: a node count in 0..{MAX_POOL_SIZE}, got {size!r}")
+                return bad(f"{role}: a node count in 0..{MAX_POOL_SIZE}, got {size!r}")
         try:
             pools.scale(body)
         except ValueError as e:
-            return error(400, str(e))
+            return bad(str(e))
         if on_scale is not None:
             on_scale()
         return JSONResponse(status_body(pools, extra_status), status_code=202)

@@ -37,7 +37,9 @@ from cluster.models import ModelChoiceError, resolve_model
 from cluster.pools import NodeLaunch, NodeState, PoolManager, die_with_parent, free_port
 from cluster.progress import Progress
 from cluster.state import ClusterState, cache_dir, remove_state, write_state
+from proxy.auth import APIKeys, read_key_file
 from settings import ServeConfig, to_args
+from settings import env as environment
 from settings.env import API_KEY_VAR, child_environment
 
 logger = logging.getLogger(__name__)
@@ -177,9 +179,10 @@ async def _run(config: ServeConfig, pools: PoolManager, model: Path, served_mode
     admin_socket = bind_admin_socket(config.admin_port)
     admin_url = f"http://127.0.0.1:{admin_socket.getsockname()[1]}"
     proxy_url = f"http://{config.host}:{config.port}"
-    token = new_token()
+    client_keys = _client_keys(config)
+    token = admin_token(environment.admin_token(), client_keys)
     app = create_admin_app(pools, token, on_scale=wake.set,
-                           extra_status={"proxy_url": proxy_url, "model": served_model_name})
+                           extra_status={"proxy_url": proxy_url, "model": served_model_name}, client_keys=client_keys)
     admin = AdminServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
     admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))
     try:
@@ -228,6 +231,24 @@ async def _start_pools(pools: PoolManager, stop: asyncio.Event) -> bool:
     return True
 
 
+def admin_token(chosen: str | None, client_keys: APIKeys) -> str:
+    """The admin API's token: the operator's ($TANDEM_ADMIN_TOKEN), else a random one. Never a client key."""
+    token = chosen or new_token()
+    if client_keys.matches(token):
+        raise ServeError("the admin token ($TANDEM_ADMIN_TOKEN) is also a client API key: an API key must not grant "
+                         "admin access; give them different values")
+    return token
+
+
+def _client_keys(config: ServeConfig) -> APIKeys:
+    """The proxy's client keys (--api-key, --api-key-file): the admin API tells them from its own token."""
+    try:
+        return APIKeys([*([config.api_key] if config.api_key else []),
+                        *(read_key_file(Path(config.api_key_file)) if config.api_key_file else [])])
+    except ValueError as e:
+        raise ServeError(str(e)) from None
+
+
 def _start_proxy(config: ServeConfig, model: Path, served_model_name: str, registry_url: str, log_dir: Path,
                  children: list[Child]) -> Child:
     command = proxy_command(config, model, served_model_name, registry_url)
@@ -240,10 +261,13 @@ def _start_proxy(config: ServeConfig, model: Path, served_model_name: str, regis
 
 
 def proxy_command(config: ServeConfig, model: Path, served_model_name: str, registry_url: str) -> list[str]:
-    """The proxy hashes prompts' prefixes with the cluster's block size and seed, as the nodes do."""
+    """The proxy hashes prompts' prefixes with the cluster's block size and seed, as the nodes do, and calls them
+    with the cluster's client TLS (the decode nodes' own, for their calls to prefill nodes)."""
+    key_file = ["--api-key-file", str(Path(config.api_key_file).resolve())] if config.api_key_file else []
     return [sys.executable, "-m", "proxy", "--registry", registry_url, "--model", str(model),
             "--served-model-name", served_model_name, "--host", config.host, "--port", str(config.port),
-            "--log-level", "warning", *to_args(config.cluster.hashing), *shlex.split(config.proxy_args)]
+            "--log-level", "warning", *to_args(config.cluster.hashing), *to_args(config.cluster.tls.client),
+            *key_file, *shlex.split(config.proxy_args)]
 
 
 async def _wait_until_healthy(proxy: Child, config: ServeConfig, stop: asyncio.Event) -> bool:

@@ -13,6 +13,7 @@ from node_common.kv import kv_layout, open_connector
 from node_common.options import add_node_args, load_engine, node_id, parse_node_args
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
+from node_common.tls import ChannelSecurity, TLSFileError
 from protos import tandem_pb2_grpc
 from wire import NodeIdentity, Role
 
@@ -22,14 +23,18 @@ def main() -> None:
     add_node_args(parser)
     args = parse_node_args(parser)
     setup_logging(args.log_level)
+    try:  # lease calls to prefill nodes: TLS as the proxy's calls to nodes
+        prefill_security = ChannelSecurity.from_settings(args.cluster.tls.client)
+    except TLSFileError as e:
+        raise SystemExit(f"decode node: {e}") from None
     name = node_id(args, "decode")
     engine = load_engine(args, "decode")
     connector, region, _ = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
     async_engine = AsyncEngine(engine)
     async_engine.add_ticker(lambda _: connector.progress())
     layout_hash = kv_layout(engine).layout_hash
-    loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient())
-    service = DecodeService(loop, async_engine, name, args.model, args.kv_backend)
+    loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient(prefill_security))
+    service = DecodeService(loop, async_engine, name, args.model, args.kv_backend, args.max_logprobs)
     identity = NodeIdentity(name, Role.DECODE, advertised_address(args), args.model, layout_hash, args.kv_backend,
                             args.hash_seed)
 

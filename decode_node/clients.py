@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from node_common.tls import PLAINTEXT, ChannelSecurity
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from wire import KVTicket
@@ -16,14 +17,16 @@ RPC_TIMEOUT_S = 5.0
 
 
 class PrefillLeaseClient:
-    """Extends and releases tickets on the prefill node that issued them (one channel per address)."""
+    """Extends and releases tickets on the prefill node that issued them (one channel per address), with the same
+    TLS as the proxy's calls to nodes (--node-tls-*)."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: ChannelSecurity = PLAINTEXT) -> None:
+        self.security = security
         self._stubs: dict[str, tandem_pb2_grpc.PrefillServiceStub] = {}
 
     def _stub(self, address: str) -> tandem_pb2_grpc.PrefillServiceStub:
         if address not in self._stubs:
-            self._stubs[address] = tandem_pb2_grpc.PrefillServiceStub(grpc.aio.insecure_channel(address))
+            self._stubs[address] = tandem_pb2_grpc.PrefillServiceStub(self.security.channel(address))
         return self._stubs[address]
 
     async def extend(self, ticket: KVTicket, seconds: float) -> bool:

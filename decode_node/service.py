@@ -11,6 +11,7 @@ import grpc
 from decode_node.loop import DecodeError, DecodeLoop
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
+from node_common.limits import DEFAULT_MAX_LOGPROBS, check_limits, check_position_logprobs
 from node_common.load import engine_stats
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
@@ -26,12 +27,14 @@ from wire import RETRYABLE_KEY, InvalidTicketError, NodeStats
 
 
 class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, loop: DecodeLoop, engine: AsyncEngine, node_id: str, model: str, kv_backend: str) -> None:
+    def __init__(self, loop: DecodeLoop, engine: AsyncEngine, node_id: str, model: str, kv_backend: str,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.loop = loop
         self.engine = engine
         self.node_id = node_id
         self.model = model
         self.kv_backend = kv_backend
+        self.max_logprobs = max_logprobs
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -44,6 +47,8 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                                                                   "first token")
         try:
             params = params_from_proto(request.params)
+            check_limits(params, self.max_logprobs)
+            check_position_logprobs(len(request.first_logprobs.entries), self.max_logprobs)
             deadline = deadline_from_proto(request.deadline)
             ticket = None if colocated else ticket_from_proto(request.ticket)
         except (ValueError, InvalidTicketError) as e:

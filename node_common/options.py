@@ -14,6 +14,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from engine.config import ATTENTION_BACKENDS, DEVICE_CHOICES, LOAD_FORMATS, EngineConfig
+from node_common.limits import add_limit_args
 from node_common.registrar import add_registry_args
 from settings import ClusterSettings, add_arguments, parse_args_with
 from settings import env as environment
@@ -52,6 +53,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", default=engine["enforce_eager"],
                         help="no CUDA graphs for decode steps")
     parser.add_argument("--log-level", default=environment.log_level())
+    add_limit_args(parser)  # --max-logprobs
     add_registry_args(parser)
 
 

@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 
 from engine.async_engine import AsyncEngine
 from node_common.registrar import registration
+from node_common.tls import TLSFileError, server_credentials
 from wire import NodeIdentity
 
 logger = logging.getLogger(__name__)
@@ -127,10 +128,20 @@ async def _parse(parse: Callable[[bytes], Any], raw: bytes, context: grpc.aio.Se
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message: {e}")
 
 
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Binds `address`: TLS only with `credentials` (no plaintext port beside it), else plaintext. The port bound;
+    0 when it cannot be."""
+    if credentials is not None:
+        return server.add_secure_port(address, credentials)
+    return server.add_insecure_port(address)
+
+
 async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], None], host: str, port: int,
                 on_stop: Callable[[], None], drain: DrainPolicy,
-                on_drain: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serves until SIGTERM/SIGINT, then drains (see the module docstring) and stops.
+                on_drain: Callable[[], Awaitable[None]] | None = None,
+                credentials: grpc.ServerCredentials | None = None) -> None:
+    """Serves until SIGTERM/SIGINT, then drains (see the module docstring) and stops. With `credentials` the port
+    speaks TLS only (node_common/tls.py).
 
     `on_drain` takes the node out of routing (registry); without one nobody can be told, so the node does
     not wait `announce_s` and only lets the work it already has finish.
@@ -140,12 +151,12 @@ async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], N
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     add_services(server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
+    if add_port(server, f"{host}:{port}", credentials) == 0:
         raise SystemExit(f"cannot listen on {host}:{port}")
     engine.start()
     await server.start()
     # the line tests and operators wait for
-    logger.info("serving on %s:%d", host, port)
+    logger.info("serving on %s:%d%s", host, port, " (TLS)" if credentials is not None else "")
     print(f"READY {host}:{port}", flush=True)
 
     signals = asyncio.Queue[int]()
@@ -199,11 +210,16 @@ def run_node(args: Any, engine: AsyncEngine, identity: NodeIdentity,
              add_services: Callable[[grpc.aio.Server], None], on_stop: Callable[[], None]) -> None:
     """Serves a node until SIGTERM/SIGINT, registered in the cluster registry when `--registry` is given."""
 
+    try:
+        credentials = server_credentials(args.cluster.tls.server)
+    except TLSFileError as e:
+        raise SystemExit(f"cannot serve TLS: {e}") from None
+
     async def run() -> None:
         async with registration(args, engine, identity) as registrar:
             # on SIGTERM the node is marked draining in the registry first, so the proxy stops choosing it
             await serve(engine, add_services, args.host, args.port, on_stop,
                         DrainPolicy(timeout_s=args.cluster.drain_timeout),
-                        on_drain=registrar.set_draining if registrar is not None else None)
+                        on_drain=registrar.set_draining if registrar is not None else None, credentials=credentials)
 
     asyncio.run(run())

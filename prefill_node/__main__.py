@@ -44,7 +44,7 @@ def main() -> None:
     # the owner of registered memory must keep the transfer library progressing (ENV-NOTES: NIXL)
     async_engine.add_ticker(lambda _: connector.progress())
     loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket)
-    service = PrefillService(loop, async_engine, layout_hash, args.model, args.kv_backend)
+    service = PrefillService(loop, async_engine, layout_hash, args.model, args.kv_backend, args.max_logprobs)
     identity = NodeIdentity(name, Role.PREFILL, address, args.model, layout_hash, args.kv_backend, args.hash_seed,
                             loop.incarnation)
 

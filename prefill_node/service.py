@@ -10,6 +10,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
+from node_common.limits import DEFAULT_MAX_LOGPROBS, check_limits
 from node_common.load import engine_stats
 from prefill_node.loop import PrefillError, PrefillLoop
 from protos import tandem_pb2 as pb
@@ -27,19 +28,21 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, loop: PrefillLoop, engine: AsyncEngine, layout_hash: str, model: str, kv_backend: str
-                 ) -> None:
+    def __init__(self, loop: PrefillLoop, engine: AsyncEngine, layout_hash: str, model: str, kv_backend: str,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
         self.loop = loop
         self.engine = engine
         self.layout_hash = layout_hash
         self.model = model
         self.kv_backend = kv_backend
+        self.max_logprobs = max_logprobs
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         try:
             params = params_from_proto(request.params)
+            check_limits(params, self.max_logprobs)
             deadline = deadline_from_proto(request.deadline)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -1,7 +1,9 @@
 """python -m proxy (--registry redis://HOST:PORT | --prefill HOST:PORT --decode HOST:PORT) --model DIR
-[--port 8000] [--api-key KEY] [--routing prefix_load|round_robin] [--block-size N --hash-seed S] [--config FILE]
-[--max-request-body-bytes N] [--tokenizer-threads N] [--max-retries N] [--health-check-interval S]
-[--health-check-timeout S] [--prefill-attempt-timeout S] [--decode-first-token-timeout S]"""
+[--port 8000] [--api-key KEY ...] [--api-key-file FILE] [--routing prefix_load|round_robin]
+[--block-size N --hash-seed S] [--config FILE] [--max-request-body-bytes N] [--tokenizer-threads N]
+[--max-retries N] [--health-check-interval S] [--health-check-timeout S]
+[--prefill-attempt-timeout S] [--decode-first-token-timeout S] [--max-n N] [--max-logprobs N] [--max-tokens-limit N]
+[--node-tls-ca FILE [--node-tls-cert FILE --node-tls-key FILE] [--node-tls-server-name NAME]]"""
 
 from __future__ import annotations
 
@@ -12,12 +14,16 @@ from pathlib import Path
 import uvicorn
 
 from engine.tokenizer import load_tokenizer
+from node_common.tls import ChannelSecurity, TLSFileError
 from proxy.app import ProxyState, create_app, read_max_model_len
+from proxy.auth import load_api_keys
+from proxy.limits import add_limit_args, limits_from_args
 from proxy.pd import add_routing_args, pipeline_from_args
 from proxy.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from proxy.serving import DEFAULT_TOKENIZER_THREADS
-from settings import HashingSettings, add_arguments, parse_args_with
+from settings import TREE_KEYS, ConfigError, HashingSettings, add_arguments, parse_args_with, resolve
 from settings import env as environment
+from settings.tls import ClientTLSSettings
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -25,13 +31,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     add_routing_args(parser)  # --prefill/--decode/--registry, --routing
     # the cluster's prefix hashing, declared with the nodes' (settings.cluster): the prefix index hashes as they do
     add_arguments(parser, HashingSettings)
+    add_arguments(parser, ClientTLSSettings, config_flag=False)  # TLS to the nodes, declared with the nodes' own
     parser.add_argument("--model", required=True, help="model directory (for its tokenizer and context length)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--api-key", default=environment.api_key(),
-                        help="clients must send 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY; none: open)")
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="clients must send 'Authorization: Bearer KEY'; give it again for more keys (default: "
+                             "$TANDEM_API_KEY; none: open). /health and /metrics stay open")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="more keys, one a line (# comments and blank lines skipped); keeps keys off the "
+                             "command line")
+    parser.add_argument("--metrics-require-api-key", action="store_true",
+                        help="/metrics needs an API key too (default: open, as vLLM's, for scrapers without one; it "
+                             "names the nodes)")
+    add_limit_args(parser)  # --max-n, --max-logprobs, --max-tokens-limit
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="prompt + max_tokens limit (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-requests", type=int, default=None,
@@ -45,6 +60,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     if args.max_request_body_bytes <= 0 or args.tokenizer_threads <= 0:
         parser.error("--max-request-body-bytes and --tokenizer-threads must be positive")
     args.hashing = hashing
+    args.limits = limits_from_args(parser, args)
+    try:
+        args.node_security = ChannelSecurity.from_settings(
+            resolve(ClientTLSSettings, vars(args), environment.settings_layer(), TREE_KEYS))
+    except (ConfigError, TLSFileError) as e:
+        parser.error(str(e))
+    try:
+        args.api_keys = load_api_keys(args.api_key, args.api_key_file, environment.api_key())
+    except ValueError as e:
+        parser.error(str(e))
     return parser, args
 
 
@@ -52,12 +77,13 @@ def main() -> None:
     parser, args = parse_args()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = Path(args.model)
-    pipeline = pipeline_from_args(parser, args)
+    pipeline = pipeline_from_args(parser, args, args.node_security)
     default_name = model.stem if model.suffix == ".gguf" else model.name
     state = ProxyState(pipeline, load_tokenizer(model), args.served_model_name or default_name, args.request_timeout,
-                       max_model_len=read_max_model_len(model, args.max_model_len), api_key=args.api_key or None,
+                       max_model_len=read_max_model_len(model, args.max_model_len), api_keys=args.api_keys,
                        max_num_requests=args.max_num_requests, max_request_body_bytes=args.max_request_body_bytes,
-                       tokenizer_threads=args.tokenizer_threads)
+                       tokenizer_threads=args.tokenizer_threads, limits=args.limits,
+                       metrics_need_key=args.metrics_require_api_key)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
 
 

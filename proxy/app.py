@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -73,7 +72,8 @@ def create_app(state: ProxyState) -> Starlette:
     state.metrics.cluster.attempt_counts = lambda: state.pipeline.attempts.counts
     state.metrics.cluster.migration_counts = lambda: state.pipeline.migrations.counts
     schema = openapi_schema(ServedAPI(state.served_model_name, len(state.tokenizer), state.max_model_len,
-                                      state.max_request_body_bytes, state.api_key is not None))
+                                      state.max_request_body_bytes, bool(state.api_keys), state.limits,
+                                      state.metrics_need_key))
 
     async def health(request: Request) -> Response:
         await state.pipeline.start()  # idempotent: /health sees registered nodes before any request
@@ -84,6 +84,11 @@ def create_app(state: ProxyState) -> Starlette:
         return JSONResponse({"status": status, "ready_nodes": ready}, status_code=503 if not ready["decode"] else 200)
 
     async def metrics(request: Request) -> Response:
+        if state.metrics_need_key:  # open by default, as vLLM's: Prometheus scrapes without a key
+            try:
+                _authorize(state, request)
+            except APIError as e:
+                return _error_response(e)
         await state.pipeline.start()
         state.metrics.cluster.nodes = await poll_nodes(state.pipeline.directory)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -167,23 +172,22 @@ def create_app(state: ProxyState) -> Starlette:
 # ---- the request edge ----
 
 def _authorize(state: ProxyState, request: Request) -> None:
-    if state.api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    """proxy/auth.py: every path but /health and /metrics needs a key, when there are keys."""
+    if state.api_keys and not state.api_keys.authorizes(request.headers):
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
 
 
 # ---- on a tokenizer thread: time in proportion to the body ----
 
 def _prepare_completion(state: ProxyState, body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
-    parsed = parse_completion(decode_json(body))
+    parsed = parse_completion(decode_json(body), state.limits)
     _check_model(state, parsed.generation.model)
     return parsed, [_prompt_ids(state, p) for p in parsed.prompts]
 
 
 def _prepare_chat(state: ProxyState, body: bytes) -> tuple[ChatRequest, list[int]]:
-    parsed = parse_chat(decode_json(body))
+    parsed = parse_chat(decode_json(body), state.limits)
     _check_model(state, parsed.generation.model)
     return parsed, _chat_prompt_ids(state, [m.as_template_input() for m in parsed.messages],
                                     parsed.add_generation_prompt)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from node_common.tls import PLAINTEXT, ChannelSecurity
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import logprobs_from_proto, params_to_proto, stats_from_proto, ticket_from_proto, ticket_to_proto
@@ -81,16 +82,18 @@ def _error(node: str, e: grpc.aio.AioRpcError) -> NodeError:
 
 
 class NodeClient:
-    """A node's address and, once first used (inside the event loop that will use it), its channel."""
+    """A node's address and, once first used (inside the event loop that will use it), its channel: plaintext, or
+    TLS as `security` says (--node-tls-*)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ChannelSecurity = PLAINTEXT) -> None:
         self.address = address
+        self.security = security
         self._channel: grpc.aio.Channel | None = None
 
     @property
     def channel(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+            self._channel = self.security.channel(self.address, _CHANNEL_OPTIONS)
         return self._channel
 
     async def close(self) -> None:

@@ -37,6 +37,7 @@ import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from node_common.tls import PLAINTEXT, ChannelSecurity
 from proxy.clients import DecodeClient, NodeClient, NodeHealth, PrefillClient
 from proxy.dead_nodes import DeadNodes
 from proxy.liveness import Liveness, check_failure
@@ -79,7 +80,8 @@ class NodeView:
 class NodeDirectory:
     def __init__(self, static_prefill: Sequence[str] = (), static_decode: Sequence[str] = (),
                  registry_url: str | None = None, block_size: int = 16, hash_seed: str = "tandem",
-                 poll_s: float = 0.5, health_interval_s: float = 1.0, health_timeout_s: float = 1.0) -> None:
+                 poll_s: float = 0.5, health_interval_s: float = 1.0, health_timeout_s: float = 1.0,
+                 security: ChannelSecurity = PLAINTEXT) -> None:
         both = set(static_prefill) & set(static_decode)
         if both:
             raise ValueError(f"{sorted(both)} listed as both prefill and decode nodes")
@@ -99,6 +101,7 @@ class NodeDirectory:
         self._kv_lock = asyncio.Lock()
         self._warned: set[str] = set()
         self._clients: dict[str, NodeClient] = {}
+        self.security = security  # TLS to the nodes (--node-tls-*)
         self.dead = DeadNodes()
         self.liveness = Liveness(polled=self._static)
         self._redis = (aioredis.Redis.from_url(registry_url, decode_responses=True, socket_timeout=5.0,
@@ -148,7 +151,8 @@ class NodeDirectory:
     def client(self, node: NodeView) -> NodeClient:
         client = self._clients.get(node.address)
         if client is None:
-            client = PrefillClient(node.address) if node.role is Role.PREFILL else DecodeClient(node.address)
+            kind = PrefillClient if node.role is Role.PREFILL else DecodeClient
+            client = kind(node.address, self.security)
             self._clients[node.address] = client
         return client
 

@@ -17,11 +17,12 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
-# host:port with a dotted or bracketed host (10.0.0.7:8001, [::1]:8001, p-0.tandem.svc:8001), gRPC's target
-# prefixes (ipv4:, ipv6:, dns:///, unix:), and bare IPv4 addresses
+# host:port with a dotted, bracketed or single-label host (10.0.0.7:8001, [::1]:8001, p-0.tandem.svc:8001, and
+# Kubernetes' short service names such as tandem-prefill-0:50051: a label starting with a letter, so that a time
+# such as 12:30 stays), gRPC's target prefixes (ipv4:, ipv6:, dns:///, unix:), and bare IPv4 addresses
 _ADDRESS = re.compile(
     r"(?:\b(?:ipv4|ipv6|dns|unix|unix-abstract):(?:///?)?)?"
-    r"(?:\[[0-9A-Fa-f:.%]+\](?::\d+)?|\b[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+:\d+\b|\blocalhost:\d+\b"
+    r"(?:\[[0-9A-Fa-f:.%]+\](?::\d+)?|\b[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+:\d+\b|\b[A-Za-z][A-Za-z0-9-]*:\d{1,5}\b"
     r"|\b\d{1,3}(?:\.\d{1,3}){3}\b)")
 
 

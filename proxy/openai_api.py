@@ -13,10 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.types import SamplingParams
-
-# More choices than this in one request is a mistake or an attack, not a use case.
-MAX_CHOICES = 128
-MAX_TOP_LOGPROBS = 20
+from proxy.limits import DEFAULT_LIMITS, MAX_CHOICES, RequestLimits
 
 
 class APIError(Exception):
@@ -178,18 +175,31 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
                               "'json_schema'", "response_format")
 
 
-def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: int | None) -> Generation:
+def _limited_max_tokens(max_tokens: int | None, default: int | None, limits: RequestLimits, param: str
+                        ) -> int | None:
+    """max_tokens as asked (else `default`), within the server's --max-tokens-limit: a request that asks for more
+    is refused, one that asks for nothing gets at most the limit."""
+    limit = limits.max_tokens
+    if max_tokens is None:
+        return limit if default is None else default if limit is None else min(default, limit)
+    if limit is not None and max_tokens > limit:
+        raise bad_request(f"'{param}' must be at most {limit} (this server's limit), got {max_tokens}", param)
+    return max_tokens
+
+
+def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: int | None,
+                limits: RequestLimits) -> Generation:
     model = _typed(body, "model", (str,), "")
     n = _integer(body, "n", 1)
     assert n is not None
-    if not 1 <= n <= MAX_CHOICES:
-        raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
+    if not 1 <= n <= limits.max_n:
+        raise bad_request(f"'n' must be in [1, {limits.max_n}] (this server's limit), got {n}", "n")
     best_of = _integer(body, "best_of", None)
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' other than n is not supported", "best_of", "unsupported_parameter")
-    if num_top_logprobs is not None and not 0 <= num_top_logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"the number of top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {num_top_logprobs}",
-                          "top_logprobs" if "top_logprobs" in body else "logprobs")
+    if num_top_logprobs is not None and not 0 <= num_top_logprobs <= limits.max_logprobs:
+        raise bad_request(f"the number of top logprobs must be in [0, {limits.max_logprobs}] (this server's "
+                          f"limit), got {num_top_logprobs}", "top_logprobs" if "top_logprobs" in body else "logprobs")
     _refuse_unsupported(body)
     stop_token_ids = body.get("stop_token_ids")
     try:
@@ -225,7 +235,7 @@ def _body(body: Any) -> dict[str, Any]:
 
 # ---- the two endpoints ----
 
-def parse_completion(raw: Any) -> CompletionRequest:
+def parse_completion(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     body = _body(raw)
     prompt = body.get("prompt")
     prompts: list[str | list[int]]
@@ -244,9 +254,10 @@ def parse_completion(raw: Any) -> CompletionRequest:
     if _flag(body, "echo", False):
         raise bad_request("'echo' is not supported yet", "echo", "unsupported_parameter")
     _refuse_if_given(body, "suffix", str, "'suffix' is not supported")
-    generation = _generation(body, _integer(body, "max_tokens", 16), _integer(body, "logprobs", None))
-    if len(prompts) * generation.params.n > MAX_CHOICES:
-        raise bad_request(f"prompts x n must be at most {MAX_CHOICES}", "n")
+    max_tokens = _limited_max_tokens(_integer(body, "max_tokens", None), 16, limits, "max_tokens")
+    generation = _generation(body, max_tokens, _integer(body, "logprobs", None), limits)
+    if len(prompts) * generation.params.n > limits.max_n:
+        raise bad_request(f"prompts x n must be at most {limits.max_n} (this server's limit)", "n")
     return CompletionRequest(prompts, generation)
 
 
@@ -281,7 +292,7 @@ def _messages(value: Any) -> list[ChatMessage]:
     return messages
 
 
-def parse_chat(raw: Any) -> ChatRequest:
+def parse_chat(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     body = _body(raw)
     messages = _messages(body.get("messages"))
     for key in ("tools", "functions"):
@@ -289,12 +300,14 @@ def parse_chat(raw: Any) -> ChatRequest:
     # both are checked, the newer name wins
     max_tokens = _integer(body, "max_tokens", None)
     max_completion_tokens = _integer(body, "max_completion_tokens", None)
+    param = "max_tokens"
     if max_completion_tokens is not None:
-        max_tokens = max_completion_tokens
+        max_tokens, param = max_completion_tokens, "max_completion_tokens"
+    max_tokens = _limited_max_tokens(max_tokens, None, limits, param)
     num_top_logprobs = _integer(body, "top_logprobs", None)
     if _flag(body, "logprobs", False):
         num_top_logprobs = num_top_logprobs or 0
     elif num_top_logprobs is not None:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    generation = _generation(body, max_tokens, num_top_logprobs)
+    generation = _generation(body, max_tokens, num_top_logprobs, limits)
     return ChatRequest(messages, _flag(body, "add_generation_prompt", True), generation)

@@ -6,17 +6,18 @@ a reader sees the same rules the code applies. The numbers come from the same co
 tests/unit/test_openapi.py checks the schema's examples and bounds against the real validation.
 
 What JSON Schema cannot say is in the descriptions: a refusal that depends on two fields (prompt + max_tokens
-beyond the context, min_tokens > max_tokens, best_of other than n, prompts x n > MAX_CHOICES) and a model's
+beyond the context, min_tokens > max_tokens, best_of other than n, prompts x n > --max-n) and a model's
 chat template refusing a conversation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import FinishReason
-from proxy.openai_api import MAX_CHOICES, MAX_TOP_LOGPROBS, integer_bounds
+from proxy.limits import RequestLimits
+from proxy.openai_api import integer_bounds
 
 INT32_MAX = integer_bounds(32)[1]
 INT64_MIN, INT64_MAX = integer_bounds(64)
@@ -34,6 +35,8 @@ class ServedAPI:
     max_model_len: int | None  # prompt + max_tokens at most this; None: not known to the proxy
     max_request_body_bytes: int
     api_key_required: bool
+    limits: RequestLimits = field(default_factory=RequestLimits)  # --max-n, --max-logprobs, --max-tokens-limit
+    metrics_need_key: bool = False  # --metrics-require-api-key
 
 
 def _ref(name: str) -> Schema:
@@ -79,9 +82,9 @@ def _sampling_properties(api: ServedAPI) -> dict[str, Schema]:
     stop_text = {"type": "string", "minLength": 1}
     return {
         "model": model,
-        "n": _integer(1, MAX_CHOICES, "Choices per prompt (for completions, prompts x n is at most "
-                                      f"{MAX_CHOICES}).", 1),
-        "best_of": _integer(1, MAX_CHOICES, "Only equal to n (anything else: 400 unsupported_parameter)."),
+        "n": _integer(1, api.limits.max_n, "Choices per prompt (for completions, prompts x n is at most "
+                                           f"{api.limits.max_n}).", 1),
+        "best_of": _integer(1, api.limits.max_n, "Only equal to n (anything else: 400 unsupported_parameter)."),
         "temperature": _nullable({"type": "number", "minimum": 0, "default": 1.0,
                                   "description": "0 (or below 1e-5) samples greedily."}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0}),
@@ -114,6 +117,10 @@ def _sampling_properties(api: ServedAPI) -> dict[str, Schema]:
 def _max_tokens(api: ServedAPI, default: int | None) -> Schema:
     # a prompt has at least one token: more than max_model_len - 1 never fits
     highest = INT32_MAX if api.max_model_len is None else min(INT32_MAX, api.max_model_len - 1)
+    limit = api.limits.max_tokens  # --max-tokens-limit: the most a request may ask for, and what it gets unasked
+    if limit is not None:
+        highest = min(highest, limit)
+        default = limit if default is None else min(default, limit)
     return _integer(1, highest, "Tokens to generate at most; the prompt's tokens + max_tokens must fit the "
                                 "context (400 context_length_exceeded)." +
                     ("" if default is not None else " Absent: up to the context."), default)
@@ -137,7 +144,7 @@ def _completion_request(api: ServedAPI) -> Schema:
                        "anyOf": [text, {"type": "array", "items": text, "minItems": 1}, token_ids,
                                  {"type": "array", "items": token_ids, "minItems": 1}]},
             "max_tokens": _max_tokens(api, 16),
-            "logprobs": _integer(0, MAX_TOP_LOGPROBS, "Top logprobs per token (legacy format)."),
+            "logprobs": _integer(0, api.limits.max_logprobs, "Top logprobs per token (legacy format)."),
             "echo": _nullable({"type": "boolean", "const": False, "description": "Not supported: false only."}),
             "suffix": _refused_unless_empty("string", "Text after the completion."),
             **_sampling_properties(api),
@@ -159,7 +166,8 @@ def _chat_request(api: ServedAPI) -> Schema:
             "max_completion_tokens": _max_tokens(api, None),
             "max_tokens": _max_tokens(api, None),
             "logprobs": _flag("Logprobs of each generated token.", False),
-            "top_logprobs": _integer(0, MAX_TOP_LOGPROBS, "The most likely tokens per position (needs logprobs)."),
+            "top_logprobs": _integer(0, api.limits.max_logprobs,
+                                     "The most likely tokens per position (needs logprobs)."),
             "add_generation_prompt": _flag("End the templated prompt with the assistant's turn.", True),
             "tools": _refused_unless_empty("array", "Tool definitions."),
             "functions": _refused_unless_empty("array", "Function definitions (legacy)."),
@@ -354,7 +362,8 @@ def openapi_schema(api: ServedAPI) -> Schema:
                 "503": _json(_ref("Health"), "No decode node is ready (status unavailable).")}, False)},
             "/metrics": {"get": _operation(api, "Metrics", {"200": {
                 "description": "Prometheus text exposition.",
-                "content": {"text/plain": {"schema": {"type": "string"}}}}}, False)},
+                "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **(_auth_responses(api) if api.metrics_need_key else {})}, api.metrics_need_key)},
             "/openapi.json": {"get": _operation(api, "OpenAPI", {
                 "200": _json({"type": "object"}, "This document."), **_auth_responses(api)}, True)},
         },

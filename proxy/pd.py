@@ -37,6 +37,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from node_common.tls import PLAINTEXT, ChannelSecurity
 from proxy.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts, Retries
 from proxy.clients import DecodeClient, NodeError, PrefillClient, Prefilled
 from proxy.directory import NodeDirectory, NodeView
@@ -357,7 +358,8 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
                                             "token within this long is given up for it (0: no limit)")
 
 
-def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> PDPipeline:
+def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       security: ChannelSecurity = PLAINTEXT) -> PDPipeline:
     if not args.registry and not args.decode:
         parser.error("give --registry redis://HOST:PORT, or the nodes with --decode HOST:PORT (and --prefill)")
     if args.block_size <= 0 or args.colocate_max_tokens < 0 or args.max_retries < 0:
@@ -369,7 +371,7 @@ def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     try:
         directory = NodeDirectory(args.prefill, args.decode, args.registry, block_size=args.block_size,
                                   hash_seed=args.hash_seed, health_interval_s=args.health_check_interval,
-                                  health_timeout_s=args.health_check_timeout)
+                                  health_timeout_s=args.health_check_timeout, security=security)
     except ValueError as e:
         parser.error(str(e))
     config = RouterConfig(policy=RoutingPolicy(args.routing), block_size=args.block_size, hash_seed=args.hash_seed,

@@ -23,8 +23,10 @@ import grpc
 
 from engine.output_processor import OutputDelta, OutputProcessor
 from engine.types import PositionLogprobs, SamplingParams
+from proxy.auth import APIKeys
 from proxy.clients import NodeError
 from proxy.errors import NoHealthyNodes, Overloaded, without_addresses
+from proxy.limits import RequestLimits
 from proxy.metrics import ProxyMetrics
 from proxy.openai_api import APIError
 from proxy.pd import PDPipeline, TokenChunk
@@ -49,18 +51,22 @@ _STATUS_OF_NODE_ERROR = {
 class ProxyState:
     """What the HTTP layer serves with. `max_model_len` bounds prompt + max_tokens (HTTP 400 beyond);
     `max_num_requests` bounds the choices in flight at this proxy (HTTP 429 beyond); `max_request_body_bytes`
-    a request's body (HTTP 413 beyond). Bodies are decoded and tokenized on `tokenizer_threads` threads, never
-    on the event loop, so that a big one stalls no stream and no health check."""
+    a request's body (HTTP 413 beyond); `limits` a request's n, logprobs and max_tokens (HTTP 400 beyond);
+    `api_keys` who may call (HTTP 401 without one of them; none: open), /metrics too when `metrics_need_key`.
+    Bodies are decoded and tokenized on `tokenizer_threads` threads, never on the event loop, so that a big one
+    stalls no stream and no health check."""
 
     pipeline: PDPipeline
     tokenizer: Any
     served_model_name: str
     request_timeout_s: float = 600.0
     max_model_len: int | None = None
-    api_key: str | None = None
+    api_keys: APIKeys = field(default_factory=APIKeys)
     max_num_requests: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    metrics_need_key: bool = False
     metrics: ProxyMetrics = field(init=False)  # each state its own registry: several apps fit in one process
     num_running: int = field(init=False, default=0)  # choices in flight
     # each token's text on its own (for logprobs), shared by every request's OutputProcessor

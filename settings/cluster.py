@@ -3,7 +3,8 @@ command line) and handed to every node (and, for prefix hashing, the proxy) as f
 
     HashingSettings    block size and prefix-hash seed: nodes and proxy must agree, or prefix routing misses
     TransportSettings  how the KV transfer library reaches peers (per backend options, never os.environ)
-    ClusterSettings    all that every node of the cluster takes: the two above, KV backend, dtype, drain timeout
+    ClusterSettings    all that every node of the cluster takes: the two above, KV backend, dtype, drain timeout,
+                       and TLS (settings/tls.py: the nodes' servers, and their calls to other nodes)
 
 Defaults equal the offline API's (`engine.config.EngineConfig`), so a node and `LLM(...)` behave alike.
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 from engine.config import DTYPES, EngineConfig
 from settings.spec import ConfigError, group, setting
+from settings.tls import TLSSettings
 
 # ipc: nodes on one host only (process_vm_readv, CUDA IPC); auto: ipc for a peer on this host, else the cross-host one
 KV_BACKENDS = ("nixl", "mooncake", "ipc", "auto")
@@ -104,6 +106,7 @@ class ClusterSettings:
     drain_timeout: float = setting(120.0, "seconds a leaving node may take to finish its requests", minimum=1.0,
                                    metavar="SECONDS")
     transport: TransportSettings = group(TransportSettings)
+    tls: TLSSettings = group(TLSSettings)
 
 
 # A single machine's cluster: UCX on the loopback device, and without its InfiniBand modules (with Debian's ibverbs

@@ -35,6 +35,10 @@ class ServeConfig:
     ray_address: str = setting("local", "Ray cluster to join ('local' starts one on this machine)", metavar="ADDR")
     api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (default: no key)",
                                   metavar="KEY")
+    api_key_file: str | None = setting(
+        None, "a file of client keys, one a line (# comments and blank lines skipped), with --api-key's if given; "
+              "/health and /metrics stay open. The admin API takes its own token ($TANDEM_ADMIN_TOKEN, else a random "
+              "one in the state file), never a client key", metavar="FILE")
     registry: str | None = setting(None, "redis:// URL of the node registry (default: a redis-server started here)",
                                    metavar="URL")
     admin_port: int = setting(0, "port of the admin API on 127.0.0.1 (0: any free port)", minimum=0, metavar="PORT")

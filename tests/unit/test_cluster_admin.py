@@ -128,3 +128,42 @@ def test_the_cli_ignores_a_state_file_left_by_a_process_that_is_gone(tmp_path: P
     write_state(ClusterState(admin_url="http://127.0.0.1:1", token=TOKEN, proxy_url="", pid=gone.pid))
     assert cli.main(["status", "--json"]) == 2
     assert "left over from process" in capsys.readouterr().err
+
+
+def test_a_client_api_key_does_not_grant_admin_and_refusals_carry_the_envelope(pools: PoolManager) -> None:
+    from proxy.auth import APIKeys
+
+    client = TestClient(create_admin_app(pools, TOKEN, client_keys=APIKeys(["sk-client"])))
+    for method, path in (("GET", "/status"), ("POST", "/scale")):
+        forbidden = client.request(method, path, json={"decode": 5}, headers=auth("sk-client"))
+        assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
+        wrong = client.request(method, path, json={"decode": 5}, headers=auth("sk-other"))
+        assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+        assert set(wrong.json()["error"]) == {"message", "type", "param", "code"}
+        assert wrong.json()["error"]["code"] == "invalid_admin_token"
+    assert pools.desired == {"prefill": 1, "decode": 1}  # nothing scaled
+
+
+def test_tandem_serve_gives_the_proxy_its_key_file_and_tls_and_refuses_an_admin_token_that_is_a_client_key(
+        tmp_path: Path) -> None:
+    from cluster.serve import ServeError, _client_keys, admin_token, proxy_command
+    from settings import TREE_KEYS, ServeConfig, resolve
+
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nsk-a\n\nsk-b\n")
+    config = resolve(ServeConfig, {"api_key": "sk-main", "api_key_file": str(keys), "node_tls_ca": "ca.pem",
+                                   "node_tls_cert": "c.pem", "node_tls_key": "k.pem", "tls_cert": "s.pem",
+                                   "tls_key": "sk.pem"}, {}, TREE_KEYS)
+    command = proxy_command(config, Path("/m"), "tiny", "redis://127.0.0.1:1/0")
+    assert command[command.index("--api-key-file") + 1] == str(keys)
+    # the client side only: the proxy serves no gRPC; relative paths are made absolute (Ray workers start elsewhere)
+    assert command[command.index("--node-tls-ca") + 1] == str(Path.cwd() / "ca.pem")
+    assert "--node-tls-key" in command and "--tls-cert" not in command
+    assert "sk-main" not in command  # the key travels in the environment
+    client_keys = _client_keys(config)
+    assert all(client_keys.matches(k) for k in ("sk-main", "sk-a", "sk-b")) and not client_keys.matches("# team a")
+    with pytest.raises(ServeError, match="must not grant admin"):
+        admin_token("sk-b", client_keys)
+    assert admin_token("admin-secret", client_keys) == "admin-secret"
+    assert not client_keys.matches(admin_token(None, client_keys))  # a random one
+

@@ -303,3 +303,16 @@ def test_the_settings_package_imports_no_torch_and_no_serving_package() -> None:
             "bad = {'torch', 'ray', 'redis', 'grpc', 'cluster', 'proxy', 'node_common', 'kvtransfer'} & "
             "{name.split('.')[0] for name in sys.modules}; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True)
+
+
+def test_tandem_serve_hands_the_tls_settings_to_every_node_as_flags_the_node_parses() -> None:
+    config = resolve(ServeConfig, {"tls_cert": "node.pem", "tls_key": "node.key", "tls_client_ca": "ca.pem",
+                                   "node_tls_ca": "ca.pem", "node_tls_cert": "c.pem", "node_tls_key": "c.key",
+                                   "node_tls_server_name": "tandem-node"}, {}, TREE_KEYS)
+    launch = NodeLaunch(model="/m", registry_url="redis://r", cluster=config.node_settings(on_one_machine=True))
+    command = node_command(launch, "decode", "decode-0", "127.0.0.1", 1234)
+    parser = argparse.ArgumentParser()
+    add_node_args(parser)
+    tls = parse_node_args(parser, command[3:]).cluster.tls
+    assert tls == config.cluster.tls
+    assert tls.server.tls_client_ca == str(Path.cwd() / "ca.pem") and tls.client.node_tls_server_name == "tandem-node"

@@ -17,6 +17,7 @@ import pytest
 from starlette.routing import Route
 
 from proxy.app import create_app
+from proxy.auth import APIKeys
 from proxy.serving import ProxyState
 from tests.unit.test_openai_api import ScriptedPipeline
 
@@ -213,7 +214,7 @@ def test_what_the_schema_refuses_the_proxy_refuses_and_what_it_allows_is_served(
 
 
 def test_an_api_key_guards_the_document_and_is_described(state: ProxyState) -> None:
-    state.api_key = "sk-test"
+    state.api_keys = APIKeys(["sk-test"])
     refused, allowed = served(state, [("GET", "/openapi.json", None)] * 2,
                               headers=[{}, {"Authorization": "Bearer sk-test"}])
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
