@@ -153,7 +153,7 @@ def sampled_tokens(token_ids: Sequence[int], logprobs: LogprobTensors | None) ->
     return [SampledToken(token_id, position_logprobs.get(i)) for i, token_id in enumerate(token_ids)]
 
 
-def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype,
+def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[float]] | np.ndarray, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
     """Host values as a tensor on `device`. To a GPU through pinned memory in a non-blocking copy: a copy
     from pageable memory waits for the whole stream, which would serialise the host with the device."""
