@@ -253,10 +253,10 @@ class LLMEngine:
         scheduler = self.scheduler
         queued = 0
         for request in (*scheduler.waiting, *scheduler.running):
-            pending = request.num_tokens - request.num_computed_tokens
-            # one pending token is a decode step; more (or none computed: new or preempted) is prefill work
-            if pending > 1 or request.num_computed_tokens == 0:
-                queued += pending
+            to_compute = request.num_tokens_with_pending - request.num_computed_tokens
+            # one token to compute is a decode step; more (or none computed: new or preempted) is prefill work
+            if to_compute > 1 or request.num_computed_tokens == 0:
+                queued += to_compute
         return EngineStats(
             total_kv_blocks=self.kv.num_blocks, free_kv_blocks=self.kv.num_free_blocks, block_size=self.block_size,
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),

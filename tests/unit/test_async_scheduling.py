@@ -153,10 +153,19 @@ def test_an_abort_between_steps_drops_the_in_flight_token_and_the_rest_runs_on(m
 def test_preemption_while_a_token_is_pending_keeps_the_token(model: Path) -> None:
     # 10 blocks of 4 tokens: three 9-token prompts + 8 outputs each cannot all fit at once
     llm = make_llm(model, True, num_kv_blocks=10)
+    scheduler = llm.engine.scheduler
+    preempt = scheduler._preempt
+    pending_when_preempted = []
+
+    def recording(request):  # type: ignore[no-untyped-def]
+        pending_when_preempted.append(request.num_pending_tokens)
+        preempt(request)
+
+    scheduler._preempt = recording  # type: ignore[method-assign]
     prompts = prompts_of((9, 9, 9), seed=3)
     outputs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model, prompts, GREEDY.max_tokens)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert any(pending_when_preempted), "no request was preempted with a token in flight"
     assert llm.engine.kv.num_free_blocks == 10
 
 
