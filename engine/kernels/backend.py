@@ -7,8 +7,17 @@ torch backend never needs triton installed.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.layers.attention import AttentionBackend, AttentionMetadata
+
+# A fresh prompt (no cached prefix) of at least this many tokens, in 16-bit on a GPU, is attended over the
+# step's own dense K/V by torch's fused SDPA instead of the paged kernel: on the H200 its cuDNN kernel runs causal
+# attention at head dim 128 well above what the paged Triton kernel reaches (bench/h200/prefill_probe.py;
+# bench/results/engine-speed-*.md). Shorter prompts stay in the one paged launch, where a launch per sequence
+# would cost more than it saves.
+DENSE_PREFILL_MIN_TOKENS = 1024
+_DENSE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class TritonAttention(AttentionBackend):
@@ -18,12 +27,13 @@ class TritonAttention(AttentionBackend):
     be captured in a CUDA graph; the prefill part uses the host metadata to size its grid.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dense_prefill_min_tokens: int = DENSE_PREFILL_MIN_TOKENS) -> None:
         from engine.kernels import decode, kv_store, prefill
 
         self._store_kv = kv_store.store_kv
         self._decode = decode.paged_decode_attention
         self._prefill = prefill.paged_prefill_attention
+        self.dense_prefill_min_tokens = dense_prefill_min_tokens  # 0: never
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -35,9 +45,34 @@ class TritonAttention(AttentionBackend):
                          meta.seq_lens[:num_decodes], scale, meta.sliding_window, out=out[:num_decodes])
         if meta.num_seqs > num_decodes:
             starts = meta.query_start_loc_host
-            max_query_len = max(starts[b + 1] - starts[b] for b in range(num_decodes, meta.num_seqs))
-            # the prefill kernel indexes q and out by query_start_loc itself: the decode rows stay untouched
-            self._prefill(q, k_cache, v_cache, meta.block_tables[num_decodes:],
-                          meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
-                          meta.sliding_window, out=out, max_query_len=max_query_len)
+            dense_from = self._dense_from(q, meta)
+            paged_query_lens = []
+            for b in range(num_decodes, meta.num_seqs):
+                rows = slice(starts[b], starts[b + 1])
+                num_queries = rows.stop - rows.start
+                if dense_from and num_queries == meta.seq_lens_host[b] and num_queries >= dense_from:
+                    out[rows] = dense_causal_attention(q[rows], k[rows], v[rows], scale)
+                else:
+                    paged_query_lens.append(num_queries)
+            if paged_query_lens:
+                # the prefill kernel indexes q and out by query_start_loc itself: the decode rows and the
+                # densely attended prompts' rows stay untouched
+                self._prefill(q, k_cache, v_cache, meta.block_tables[num_decodes:],
+                              meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
+                              meta.sliding_window, out=out, max_query_len=max(paged_query_lens),
+                              dense_from=dense_from)
         return out
+
+    def _dense_from(self, q: torch.Tensor, meta: AttentionMetadata) -> int:
+        """The dense path's threshold for this step, 0 when it does not apply (CPU, float32, sliding window)."""
+        if q.device.type != "cuda" or q.dtype not in _DENSE_DTYPES or meta.sliding_window is not None:
+            return 0
+        return self.dense_prefill_min_tokens
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one whole sequence over its own K/V. q: [T, Hq, D]; k, v: [T, Hkv, D] (any row
+    stride: views of the fused qkv projection are fine) -> [T, Hq, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

@@ -76,7 +76,7 @@ def _prefill_kernel(
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
     stride_table_seq,
     stride_o_token, stride_o_head, stride_o_dim,
-    qk_scale, sliding_window,
+    qk_scale, sliding_window, dense_from,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
@@ -92,6 +92,8 @@ def _prefill_kernel(
     tile_start = (tl.cdiv(seq_len, BLOCK_M) - 1 - tile_from_end) * BLOCK_M
     if tile_start + BLOCK_M <= first_pos:
         return
+    if dense_from > 0 and first_pos == 0 and num_queries >= dense_from:
+        return  # a fresh prompt the caller attends densely (engine/kernels/backend.py)
 
     pos = tile_start + tl.arange(0, BLOCK_M)
     row_mask = (pos >= first_pos) & (pos < seq_len)
@@ -154,15 +156,16 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, sliding_window: int | None, *, out: torch.Tensor | None = None,
-                            max_query_len: int | None = None, config: PrefillConfig | None = None
-                            ) -> torch.Tensor:
+                            max_query_len: int | None = None, config: PrefillConfig | None = None,
+                            dense_from: int = 0) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]: causal attention of each sequence's queries over its cached context.
 
     query_start_loc: [B+1] int32, sequence b's queries are q rows [start[b], start[b+1]) (start[0] may be
     past 0: rows outside [start[0], start[B]) are neither read nor written, so a caller can pass the whole
     batch's q and out and only the prefill sequences' metadata). seq_lens, block_tables: [B], [B, max_blocks]
     int32. The new tokens' K/V must already be in the cache. max_query_len (a host int) bounds the grid;
-    it defaults to T.
+    it defaults to T. dense_from > 0 skips the sequences without a cached prefix (all of their context is
+    new) of at least dense_from queries: their rows of `out` are left to the caller.
     """
     check_cache(k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
@@ -181,7 +184,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _prefill_kernel[(num_heads, batch, num_tiles)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
-        scale * LOG2_E, sliding_window or 0,
+        scale * LOG2_E, sliding_window or 0, dense_from,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=pad_dim(head_dim), PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SLIDING=sliding_window is not None,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.device),

@@ -106,6 +106,21 @@ def test_prefill_leaves_rows_outside_its_sequences_untouched() -> None:
     assert relative_error(out[2:], expected) < TOLERANCE[torch.float32]
 
 
+def test_prefill_dense_from_skips_only_fresh_prompts_that_long() -> None:
+    """dense_from=8: the fresh 10-token prompt is left to the caller; the fresh 6-token prompt and the 5-query
+    chunk of a 12-token context (a cached prefix) are attended."""
+    cache = make_cache(16, 4, 2, 32, torch.float32)
+    block_tables = make_block_tables([10, 6, 12], 4, 16)
+    starts, lens = int32([0, 10, 16, 21]), int32([10, 6, 12])
+    q = torch.randn(21, 4, 32)
+    out = torch.full_like(q, 7.0)
+    paged_prefill_attention(q, cache.k, cache.v, block_tables, starts, lens, 0.2, None, out=out, config=SMALL,
+                            dense_from=8)
+    assert torch.equal(out[:10], torch.full_like(out[:10], 7.0))
+    expected = reference.paged_prefill_attention(q, cache.k, cache.v, block_tables, starts, lens, 0.2, None)
+    assert relative_error(out[10:], expected[10:]) < TOLERANCE[torch.float32]
+
+
 @gpu
 @pytest.mark.parametrize("sliding_window", [None, 700])
 def test_prefill_on_gpu_llama_shapes_bf16(sliding_window: int | None) -> None:

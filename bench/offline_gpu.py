@@ -1,0 +1,112 @@
+"""Offline throughput on a GPU against the roofline of the same workload, measured in one run.
+
+    python3 bench/offline_gpu.py [--num-prompts 256 --prompt-len 1024 --output-len 1024] [--out FILE]
+
+Llama-3.1-8B shape with dummy bf16 weights (bench/decode_step.py's config), random prompts, greedy, ignore_eos.
+The roofline is what the workload would take if every prefill token ran at the bf16 matmul rate and every
+decode step read its weights and K/V at the HBM read bandwidth, both rates measured in this run:
+
+    prefill:  (2 * params * tokens + causal attention FLOPs) / matmul rate
+    decode:   sum over the steps of (weight bytes + K/V bytes read by that step) / read bandwidth
+
+The ratio is roofline time / measured time (1.0 = at the roofline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_step import LLAMA_31_8B, hbm_read_bandwidth  # noqa: E402
+
+
+def matmul_rate(size: int = 8192) -> float:
+    """bf16 FLOP/s of a square matmul, best of several (the rate a prefill's GEMMs can reach)."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * size ** 3 / best
+
+
+def roofline_seconds(cfg: dict, weight_bytes: int, num_params: int, num_prompts: int, prompt_len: int,
+                     output_len: int, flops: float, bandwidth: float) -> tuple[float, float]:
+    layers, heads, head_dim = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["head_dim"]
+    kv_bytes_per_token = layers * 2 * cfg["num_key_value_heads"] * head_dim * 2
+    # matmuls: 2 FLOPs per parameter per token (the embedding is a lookup, but it is tied to nothing here and
+    # small against the rest); causal attention: QK^T and PV over the lower triangle
+    attention = 4 * layers * heads * head_dim * prompt_len * (prompt_len + 1) / 2
+    prefill = num_prompts * (2 * num_params * prompt_len + attention) / flops
+    # decode step i (the first token comes with the prefill) reads every sequence's prompt_len + i tokens
+    decode = sum(weight_bytes + num_prompts * (prompt_len + i) * kv_bytes_per_token
+                 for i in range(1, output_len)) / bandwidth
+    return prefill, decode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from engine import LLM, SamplingParams
+
+    bandwidth = hbm_read_bandwidth()
+    flops = matmul_rate()
+    config_dir = Path(tempfile.mkdtemp())
+    (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True)
+    model = llm.engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, 100_000, (args.num_prompts, args.prompt_len), generator=g).tolist()
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([p[:64] for p in prompts[:4]], warm)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert num_out == args.num_prompts * args.output_len, f"got {num_out} output tokens"
+    prefill, decode = roofline_seconds(LLAMA_31_8B, weight_bytes, num_params, args.num_prompts, args.prompt_len,
+                                       args.output_len, flops, bandwidth)
+    roofline = prefill + decode
+    lines = [
+        f"read bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s (measured in this run)",
+        f"workload: {args.num_prompts} x {args.prompt_len} in / {args.output_len} out, greedy, ignore_eos",
+        "",
+        "| output tok/s | seconds | roofline s (prefill + decode) | roofline tok/s | of the roofline |",
+        "|---|---|---|---|---|",
+        f"| {num_out / elapsed:,.0f} | {elapsed:.2f} | {roofline:.2f} ({prefill:.2f} + {decode:.2f}) "
+        f"| {num_out / roofline:,.0f} | {roofline / elapsed:.2f} |",
+    ]
+    report = "\n".join(lines)
+    print(report, flush=True)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()
