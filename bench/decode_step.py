@@ -1,10 +1,11 @@
 """A full decode step of a Llama-3.1-8B-shaped model (random bf16 weights) against the bandwidth floor.
 
-    python3 bench/decode_step.py [--batches 1,64] [--context 1024] [--hf] [--out results.md]
+    python3 bench/decode_step.py [--batches 1,64] [--context 1024] [--sync] [--hf] [--out results.md]
 
 The floor of a step is the bytes it must read (all weights + every sequence's K/V) over the HBM read
 bandwidth measured in the same run. Tandem's step is timed through the engine (CUDA graphs on, unless
---eager), sampling and host work included. --hf also times transformers' `generate` on the same shape.
+--eager; asynchronous scheduling on, unless --sync), sampling and host work included. --hf also times
+transformers' `generate` on the same shape.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--hf", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -127,12 +129,13 @@ def main() -> None:
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
               max_num_batched_tokens=8192, max_model_len=args.context + args.steps + 64,
-              skip_tokenizer_init=True, enforce_eager=args.eager)
+              skip_tokenizer_init=True, enforce_eager=args.eager, async_scheduling=not args.sync)
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     cfg = LLAMA_31_8B
     kv_bytes_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     lines = [f"HBM read bandwidth (bf16 sum of 4 GiB): {bandwidth / 1e12:.2f} TB/s",
-             f"weights: {weight_bytes / 1e9:.2f} GB; context {args.context}; CUDA graphs: {not args.eager}", "",
+             f"weights: {weight_bytes / 1e9:.2f} GB; context {args.context}; CUDA graphs: {not args.eager}; "
+             f"asynchronous scheduling: {not args.sync}", "",
              "| batch | tandem ms/step | device work alone ms | floor ms/step | tandem/floor | transformers ms/step |",
              "|---|---|---|---|---|---|"]
     for batch in batches:

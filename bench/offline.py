@@ -1,6 +1,6 @@
 """Offline throughput: 64 prompts x 256 random tokens in, 128 out, greedy, ignore_eos.
 
-    python bench/offline.py --model DIR [--dtype float32|bfloat16] [--peer vllm]
+    python bench/offline.py --model DIR [--dtype float32|bfloat16] [--load-format dummy] [--sync] [--peer vllm]
 
 Prints output tokens/s for Tandem's engine. With --peer vllm it then runs the same workload through vLLM in
 its own virtualenv (VLLM_PYTHON, default /work/vllm-venv/bin/python) and prints both, measured back to back.
@@ -21,11 +21,12 @@ import workload  # noqa: E402
 
 
 def run_tandem(model: str, dtype: str, num_prompts: int, prompt_len: int, output_len: int,
-               max_num_batched_tokens: int) -> dict[str, float]:
+               max_num_batched_tokens: int, async_scheduling: bool | None = None,
+               load_format: str = "auto") -> dict[str, float]:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=num_prompts, max_num_batched_tokens=max_num_batched_tokens,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, async_scheduling=async_scheduling, load_format=load_format)
     vocab = llm.engine.model_config.vocab_size
     prompts = workload.prompts(vocab, num_prompts, prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -59,10 +60,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=workload.OUTPUT_LEN)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--peer", choices=["vllm"], default=None)
+    parser.add_argument("--sync", action="store_true", help="synchronous scheduling (default: on a GPU, async)")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights (a shape-only model directory)")
     args = parser.parse_args()
     shape = (args.model, args.dtype, args.num_prompts, args.prompt_len, args.output_len,
              args.max_num_batched_tokens)
-    results = {"tandem": run_tandem(*shape)}
+    results = {"tandem": run_tandem(*shape, async_scheduling=False if args.sync else None,
+                                    load_format=args.load_format)}
     if args.peer == "vllm":
         results["vllm"] = run_peer(*shape)
     for name, r in results.items():

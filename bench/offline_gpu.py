@@ -1,6 +1,6 @@
 """Offline throughput on a GPU against the roofline of the same workload, measured in one run.
 
-    python3 bench/offline_gpu.py [--num-prompts 256 --prompt-len 1024 --output-len 1024] [--out FILE]
+    python3 bench/offline_gpu.py [--num-prompts 256 --prompt-len 1024 --output-len 1024] [--sync] [--out FILE]
 
 Llama-3.1-8B shape with dummy bf16 weights (bench/decode_step.py's config), random prompts, greedy, ignore_eos.
 The roofline is what the workload would take if every prefill token ran at the bf16 matmul rate and every
@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -74,7 +75,8 @@ def main() -> None:
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True)
+              max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
+              async_scheduling=not args.sync)
     model = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     num_params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
@@ -95,7 +97,8 @@ def main() -> None:
     roofline = prefill + decode
     lines = [
         f"read bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s (measured in this run)",
-        f"workload: {args.num_prompts} x {args.prompt_len} in / {args.output_len} out, greedy, ignore_eos",
+        f"workload: {args.num_prompts} x {args.prompt_len} in / {args.output_len} out, greedy, ignore_eos; "
+        f"asynchronous scheduling: {not args.sync}",
         "",
         "| output tok/s | seconds | roofline s (prefill + decode) | roofline tok/s | of the roofline |",
         "|---|---|---|---|---|",

@@ -188,6 +188,11 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # no CUDA graphs for decode
     max_graph_batch_size: int = 256  # larger decode batches run eagerly
+    # Schedule and launch step N+1 before reading step N's sampled tokens, so the host's work (scheduling,
+    # input packing, output bookkeeping) overlaps the device's; outputs then come one step() later, and an
+    # EOS or stop token ends its request one step late (the extra token is discarded). None: on for CUDA,
+    # off on CPU, where nothing runs concurrently with the host.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:

@@ -5,6 +5,18 @@ sampled)`. The scheduler owns the requests and their states (engine/request.py h
 class is the API around it: make and add requests, reserve and admit a prompt whose K/V comes from another node,
 `abort()` or `free_pinned()` them, read stats. The engine works in token ids: text is the output processor's
 (engine/output_processor.py), in the offline LLM and in the proxy.
+
+Asynchronous scheduling (config.async_scheduling) overlaps the host with the device. A step() call then
+schedules and launches step N+1, and only then reads step N's sampled tokens (waiting for the device there)
+and turns them into outputs, while step N+1 runs:
+
+    host:    schedule N+1 | launch N+1 | read N, outputs of N ||  schedule N+2 | launch N+2 | read N+1 ...
+    device:  ... N ...............................| N+1 ........................................| N+2
+
+So step() returns the outputs of the step launched by the call before (same StepOutputs, one call later),
+and a request that an EOS or stop token ends runs one extra step whose token is discarded (length limits are
+known without the token: such a request is not scheduled again). A request with penalties needs its output
+ids to sample: while one is in flight, step() reads that step first (no overlap for that step).
 """
 
 from __future__ import annotations
@@ -22,8 +34,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.hashing import BlockHash
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampler import SampledToken
-from engine.scheduler import ReservedBlocks, Scheduler
+from engine.sampled_step import SampledStep
+from engine.sampler import SampledToken, has_penalties
+from engine.scheduler import ReservedBlocks, Scheduler, SchedulerOutput
 from engine.tokenizer import load_tokenizer
 from engine.types import SamplingParams, StepOutput
 
@@ -36,6 +49,16 @@ class PinnedBlocks:
 
     block_ids: tuple[int, ...]
     num_tokens: int  # prompt tokens whose K/V the blocks hold
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A launched step whose samples the host has not read yet."""
+
+    batch: SchedulerOutput
+    sampled: SampledStep
+    # a request of the step samples with penalties: its next step needs this step's token id on the host
+    needs_output_ids: bool
 
 
 @dataclass(frozen=True)
@@ -69,6 +92,9 @@ class LLMEngine:
                                  cfg.hash_seed)
         self.scheduler = Scheduler(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         self._rng = random.Random(cfg.seed)
+        self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
+        self._in_flight: InFlightStep | None = None
         # a request can never hold more tokens than the context or the whole pool
         self.max_tokens_per_request = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)
 
@@ -158,6 +184,11 @@ class LLMEngine:
         """Reserves blocks for a made request's whole prompt, reusing this engine's own prefix cache; the
         caller fills blocks[num_cached_blocks:] and then calls admit_remote_kv (or abort). None when the pool
         cannot hold the prompt now."""
+        if self._in_flight is not None:
+            # blocks freed while a step is in flight may still be written by it (a finished or aborted
+            # request's last slot): the device orders that before the next step's writes, but not before
+            # a transfer's, so wait for the step before handing blocks to one
+            self._in_flight.sampled.wait()
         return self.scheduler.reserve_remote_kv(request)
 
     def admit_remote_kv(self, request_id: str, first_token: SampledToken) -> StepOutput:
@@ -187,21 +218,45 @@ class LLMEngine:
 
     # ---- the step ----
     def step(self) -> list[StepOutput]:
+        """Runs a step; returns what it appended to each request (with asynchronous scheduling: what the
+        step launched by the previous call appended, see the module docstring)."""
+        if self.async_scheduling:
+            return self._step_async()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         sampled = self.runner.execute(batch)
-        return self.scheduler.update_from_output(batch, sampled)
+        return self.scheduler.update_from_output(batch, sampled.tokens())
+
+    def _step_async(self) -> list[StepOutput]:
+        outputs = []
+        if self._in_flight is not None and self._in_flight.needs_output_ids:
+            outputs = self._read_in_flight()
+        batch = self.scheduler.schedule()
+        launched = None
+        if not batch.is_empty:
+            needs_output_ids = any(item.samples and has_penalties(item.request.params) for item in batch.scheduled)
+            launched = InFlightStep(batch, self.runner.execute(batch), needs_output_ids)
+        # the device runs `launched` meanwhile
+        outputs += self._read_in_flight()
+        self._in_flight = launched
+        return outputs
+
+    def _read_in_flight(self) -> list[StepOutput]:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return []
+        return self.scheduler.update_from_output(in_flight.batch, in_flight.sampled.tokens())
 
     # ---- what the engine tells the outside ----
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
         queued = 0
         for request in (*scheduler.waiting, *scheduler.running):
-            pending = request.num_tokens - request.num_computed_tokens
-            # one pending token is a decode step; more (or none computed: new or preempted) is prefill work
-            if pending > 1 or request.num_computed_tokens == 0:
-                queued += pending
+            to_compute = request.num_tokens_with_pending - request.num_computed_tokens
+            # one token to compute is a decode step; more (or none computed: new or preempted) is prefill work
+            if to_compute > 1 or request.num_computed_tokens == 0:
+                queued += to_compute
         return EngineStats(
             total_kv_blocks=self.kv.num_blocks, free_kv_blocks=self.kv.num_free_blocks, block_size=self.block_size,
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),

@@ -58,7 +58,11 @@ class Request:
     computed by the step in flight: the scheduler advances it when it schedules a step, so the next step
     can be planned while this one runs. Once it reaches num_tokens, the step's logits give the next token.
 
-        token_ids:  |<------------ prompt ------------>|<--- output --->|
+    With asynchronous scheduling a sampled token reaches the host one step after it was sampled: until then
+    it is pending, counted by `num_pending_tokens` but not in `token_ids`, and the next step takes it as input
+    straight from the device. The scheduler plans with `num_tokens_with_pending`.
+
+        token_ids:  |<------------ prompt ------------>|<--- output --->|<- pending ->|
         K/V:        |<------- num_computed_tokens ------->|  (in block_ids)
     """
 
@@ -80,6 +84,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None  # set when it finishes (a pinned request keeps it too)
     stop_token_id: int | None = None  # the stop token id that finished it (None for EOS or no stop token)
+    # tokens that scheduled steps sample (or have sampled) whose ids the host has not read yet: one per step
+    # scheduled and not yet processed, so at most two (the step in flight and the one being launched)
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -88,6 +95,19 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def pending_tokens_reach_length_limit(self) -> bool:
+        """The pending tokens alone finish the request by length (max_tokens or the context): a further
+        step would compute a token that is certainly discarded, possibly past the context."""
+        max_tokens = self.params.max_tokens
+        return self.num_pending_tokens > 0 and (
+            self.num_tokens_with_pending >= self.max_num_tokens
+            or (max_tokens is not None and self.num_tokens_with_pending - self.num_prompt_tokens >= max_tokens))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,5 +1,11 @@
 """The model runner: owns the model and the paged KV cache of one rank, turns a scheduled step into tensors,
-runs the forward pass and samples."""
+runs the forward pass and samples.
+
+`execute` only launches: nothing in it waits for the device (host values go over in one non-blocking copy
+from pinned memory, the samples come back in engine/sampled_step.py). A request's input token that the
+last launched step sampled and the host has not read yet is taken from that step's device tensor of
+sampled ids.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from engine.device import GpuMemoryError, check_free_memory, gib, plan_gpu_memor
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.model.loader import build_model
 from engine.profile_run import allocate_kv_pool, profile_step_bytes
-from engine.sampler import SampledToken, Sampler, SamplingRow, noise_seed
+from engine.sampled_step import SampledStep
+from engine.sampler import Sampler, SamplingRow, noise_seed, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -74,6 +81,7 @@ class ModelRunner:
                                                    self.device)
         self.kv_cache = storage[:self.num_blocks]
         self.sampler = Sampler()
+        self.last_sampled: SampledStep | None = None  # the last launched step's samples: next inputs
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, graph_batch,
@@ -118,8 +126,8 @@ class ModelRunner:
         return plan.kv_cache
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Runs one step; returns the sampled token of each request whose step reached its last token."""
+    def execute(self, out: SchedulerOutput) -> SampledStep:
+        """Launches one step; returns the samples of each request whose step reached its last token."""
         # decodes (one new token) first, so the attention backend can batch them
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, sample_rows = self._prepare(items)
@@ -129,16 +137,18 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
             if not sampling:
-                return {}
-            if len(sample_rows) < hidden.shape[0]:  # only rows that reach the end of their tokens need logits
-                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+                self.last_sampled = SampledStep.empty(self.device)
+                return self.last_sampled
+            if sample_rows.shape[0] < hidden.shape[0]:  # only rows that reach the end of their tokens need logits
+                hidden = hidden[sample_rows]
             logits = self.model.compute_logits(hidden)
         rows = [self._sampling_row(item) for item in sampling]
-        tokens = self.sampler(logits, rows)
-        return {item.request.request_id: token for item, token in zip(sampling, tokens, strict=True)}
+        samples = self.sampler.sample(logits, rows)
+        self.last_sampled = SampledStep([item.request.request_id for item in sampling], samples)
+        return self.last_sampled
 
     def _prepare(self, items: Sequence[ScheduledRequest]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -146,10 +156,20 @@ class ModelRunner:
         starts = [0]
         seq_lens: list[int] = []
         sample_rows: list[int] = []
+        # input rows whose token the last step sampled, and that token's row in last_sampled
+        pending_rows: list[int] = []
+        pending_sources: list[int] = []
         for item in items:
             req = item.request
             begin, end = item.start, item.start + item.num_new_tokens
             input_ids.extend(req.token_ids[begin:end])
+            if len(req.token_ids) < end:  # the last input is pending: it lives on the device
+                last = self.last_sampled
+                assert end == len(req.token_ids) + 1 and last is not None and req.request_id in last.row_of, (
+                    f"request {req.request_id}: input {end - 1} is neither on the host nor the last step's sample")
+                pending_rows.append(len(input_ids))
+                pending_sources.append(last.row_of[req.request_id])
+                input_ids.append(0)  # replaced on the device
             positions.extend(range(begin, end))
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
@@ -161,9 +181,15 @@ class ModelRunner:
         tables = [block for item in items
                   for block in item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids))]
         # one host-to-device copy for all of the step's integers, instead of one per tensor
-        sizes = [len(input_ids), len(positions), len(slots), len(starts), len(seq_lens), len(tables)]
-        packed = torch.tensor(input_ids + positions + slots + starts + seq_lens + tables, dtype=torch.int64)
-        ids_d, positions_d, slots_d, starts_d, seq_lens_d, tables_d = packed.to(self.device).split(sizes)
+        sizes = [len(input_ids), len(positions), len(slots), len(starts), len(seq_lens), len(tables),
+                 len(sample_rows), len(pending_rows), len(pending_sources)]
+        packed = to_device(input_ids + positions + slots + starts + seq_lens + tables + sample_rows + pending_rows
+                           + pending_sources, torch.int64, self.device)
+        ids_d, positions_d, slots_d, starts_d, seq_lens_d, tables_d, sample_rows_d, pending_rows_d, sources_d = (
+            packed.split(sizes))
+        if pending_rows:
+            assert self.last_sampled is not None
+            ids_d.index_copy_(0, pending_rows_d, self.last_sampled.device_token_ids.index_select(0, sources_d))
         meta = AttentionMetadata(
             slot_mapping=slots_d,
             query_start_loc=starts_d.to(torch.int32),
@@ -174,11 +200,14 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             sliding_window=self.sliding_window,
         )
-        return ids_d, positions_d, meta, sample_rows
+        return ids_d, positions_d, meta, sample_rows_d
 
     @staticmethod
     def _sampling_row(item: ScheduledRequest) -> SamplingRow:
         req = item.request
-        seed = None if req.params.greedy else noise_seed(req.seed, req.num_output_tokens)
+        # the tokens sampled before this step, pending ones included: the index of this step's token
+        output_index = req.num_output_tokens + item.num_pending_before
+        seed = None if req.params.greedy else noise_seed(req.seed, output_index)
         return SamplingRow(params=req.params, seed=seed, prompt_token_ids=req.prompt_token_ids,
-                           output_token_ids=req.output_token_ids, eos_token_ids=req.eos_token_ids)
+                           output_token_ids=req.output_token_ids, eos_token_ids=req.eos_token_ids,
+                           num_pending_output_tokens=item.num_pending_before)

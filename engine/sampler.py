@@ -41,10 +41,46 @@ class SamplingRow:
     # greedy rows.
     seed: int | None
     prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens generated so far, before this step
+    output_token_ids: Sequence[int]  # tokens generated so far, before this step, whose ids the host has read
     # Suppressed, with params.stop_token_ids, while the output is shorter than min_tokens. The sampler
     # suppresses whatever it is given; pass an empty set to leave eos alone (vLLM does so with ignore_eos).
     eos_token_ids: frozenset[int] = frozenset()
+    # Tokens generated before this step whose ids are still on the device (asynchronous scheduling): they count
+    # for min_tokens. Penalties need the ids, so a row with penalties never has any (the engine waits).
+    num_pending_output_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_output_tokens
+
+
+@dataclass
+class LogprobTensors:
+    """The logprobs a step's rows asked for, as tensors (on the device until copied): made without reading
+    anything back, turned into dicts by `logprob_dicts` when the host reads the step's tokens."""
+
+    rows: list[int]  # the rows that asked, in order
+    num_top: list[int]  # each such row's N
+    chosen_ids: torch.Tensor  # [num_asked] the sampled token ids
+    chosen_logprobs: torch.Tensor  # [num_asked]
+    chosen_ranks: torch.Tensor  # [num_asked]
+    top_logprobs: torch.Tensor  # [num_asked, max N], sorted, largest first
+    top_ids: torch.Tensor  # [num_asked, max N]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.chosen_ids, self.chosen_logprobs, self.chosen_ranks, self.top_logprobs, self.top_ids]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> LogprobTensors:
+        """The same logprobs held in `tensors` (e.g. host copies), in the order of tensors()."""
+        return LogprobTensors(self.rows, self.num_top, *tensors)
+
+
+@dataclass
+class SamplerOutput:
+    """A step's samples, still where they were computed: nothing has been read back to the host."""
+
+    token_ids: torch.Tensor  # [num_rows] long
+    logprobs: LogprobTensors | None  # None when no row asked
 
 
 @dataclass
@@ -76,12 +112,19 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Samples and reads the tokens back (a device-to-host sync)."""
+        out = self.sample(logits, rows)
+        return sampled_tokens(out.token_ids.tolist(), out.logprobs)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Samples without reading anything back: every host-side input goes to the device in non-blocking
+        copies, so the host can run ahead of the device."""
         # logits: [num_rows, vocab], any float dtype; never modified.
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (
             f"logits {tuple(logits.shape)} do not match {len(rows)} rows"
         )
         if not rows:
-            return []
+            return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device), None)
         processed = process_logits(logits, rows)
         greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -91,25 +134,41 @@ class Sampler:
         else:
             sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if greedy_rows:
-                sampled[greedy_rows] = processed[greedy_rows].argmax(dim=-1)
+                greedy_index = to_device(greedy_rows, torch.long, logits.device)
+                sampled[greedy_index] = processed[greedy_index].argmax(dim=-1)
             # Advanced indexing copies, so the in-place steps of sample_random leave `processed` alone.
             generator = self._generators.get(logits.device)
             if generator is None:
                 generator = self._generators[logits.device] = torch.Generator(device=logits.device)
-            sampled[random_rows] = sample_random(
-                processed[random_rows].to(torch.float32), [rows[i] for i in random_rows], generator
+            random_index = to_device(random_rows, torch.long, logits.device)
+            sampled[random_index] = sample_random(
+                processed[random_index].to(torch.float32), [rows[i] for i in random_rows], generator
             )
-        token_ids: list[int] = sampled.tolist()
-        logprobs = gather_logprobs(logits, rows, sampled)
-        return [SampledToken(token_id, logprobs.get(i)) for i, token_id in enumerate(token_ids)]
+        return SamplerOutput(sampled, logprob_tensors(logits, rows, sampled))
 
 
-def _has_penalties(params: SamplingParams) -> bool:
+def sampled_tokens(token_ids: Sequence[int], logprobs: LogprobTensors | None) -> list[SampledToken]:
+    """The tokens of one step's rows, from host values (`logprobs`' tensors on the host)."""
+    position_logprobs = logprob_dicts(logprobs) if logprobs is not None else {}
+    return [SampledToken(token_id, position_logprobs.get(i)) for i, token_id in enumerate(token_ids)]
+
+
+def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[float]] | np.ndarray, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """Host values as a tensor on `device`. To a GPU through pinned memory in a non-blocking copy: a copy
+    from pageable memory waits for the whole stream, which would serialise the host with the device."""
+    host = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
 def _suppressed_token_ids(row: SamplingRow, vocab_size: int) -> list[int]:
-    if len(row.output_token_ids) >= row.params.min_tokens:
+    if row.num_output_tokens >= row.params.min_tokens:
         return []
     stop_token_ids = row.params.stop_token_ids or []
     # Ids past the vocabulary cannot be sampled anyway; indexing with them would fail (on CUDA, fatally).
@@ -121,14 +180,16 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     else a float32 copy: the raw logits stay intact for logprobs."""
     device, vocab_size = logits.device, logits.shape[1]
     suppressed = [_suppressed_token_ids(row, vocab_size) for row in rows]
-    penalized = [i for i, row in enumerate(rows) if _has_penalties(row.params)]
+    penalized = [i for i, row in enumerate(rows) if has_penalties(row.params)]
     if not any(suppressed) and not penalized:
         return logits
     processed = logits.to(torch.float32, copy=True)
     if any(suppressed):
         processed[_token_index(suppressed, device)] = -math.inf
     if penalized:
-        processed[penalized] = _penalized(processed[penalized], [rows[i] for i in penalized])
+        assert all(rows[i].num_pending_output_tokens == 0 for i in penalized), "penalties need every output id"
+        penalized_index = to_device(penalized, torch.long, device)
+        processed[penalized_index] = _penalized(processed[penalized_index], [rows[i] for i in penalized])
     return processed
 
 
@@ -140,17 +201,17 @@ def _token_index(token_ids_per_row: Sequence[Sequence[int]], device: torch.devic
     index = np.empty((2, total), dtype=np.int64)
     index[0] = np.repeat(np.arange(len(lengths)), lengths)
     index[1] = np.fromiter(itertools.chain.from_iterable(token_ids_per_row), dtype=np.int64, count=total)
-    return torch.from_numpy(index).to(device).unbind(dim=0)
+    return to_device(index, torch.int64, device).unbind(dim=0)
 
 
 def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition, frequency and presence penalties, batched over the rows that have any.
     logits: [num_rows, vocab] float32."""
     device = logits.device
-    penalties = torch.tensor(
+    penalties = to_device(
         [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in rows],
-        dtype=torch.float32,
-        device=device,
+        torch.float32,
+        device,
     )
     repetition, frequency, presence = (penalties[:, k : k + 1] for k in range(3))  # each [num_rows, 1]
     output_index = _token_index([r.output_token_ids for r in rows], device)
@@ -173,7 +234,7 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], generator: 
     """Samples the random (temperature > 0) rows. logits: [num_rows, vocab] float32, overwritten; `generator`
     on the logits' device, re-seeded with each row's seed. Returns the token ids: [num_rows] long."""
     device = logits.device
-    temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32, device=device)
+    temperature = to_device([row.params.temperature for row in rows], torch.float32, device)
     logits.div_(temperature.unsqueeze(1))
     min_p = [row.params.min_p for row in rows]
     if any(p > 0 for p in min_p):
@@ -198,7 +259,7 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], generator: 
 def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:
     """Masks tokens whose probability is below min_p times the row's largest. logits: [num_rows, vocab]."""
     probs = logits.softmax(dim=-1)
-    min_p_t = torch.tensor(min_p, dtype=torch.float32, device=logits.device).unsqueeze(1)
+    min_p_t = to_device(min_p, torch.float32, logits.device).unsqueeze(1)
     logits.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p_t, -math.inf)
 
 
@@ -208,11 +269,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequenc
     num_rows, vocab_size = logits.shape
     device = logits.device
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([k if 0 < k < vocab_size else vocab_size for k in top_k], device=device)
+    k = to_device([k if 0 < k < vocab_size else vocab_size for k in top_k], torch.long, device)
     kth_logit = sorted_logits.gather(1, (k - 1).unsqueeze(1))
     sorted_logits.masked_fill_(sorted_logits < kth_logit, -math.inf)
     # top_p 1 becomes inf: rounding could push the cumulative sum to 1 before the tail and drop it.
-    p = torch.tensor([p if p < 1 else math.inf for p in top_p], dtype=torch.float32, device=device)
+    p = to_device([p if p < 1 else math.inf for p in top_p], torch.float32, device)
     probs = sorted_logits.softmax(dim=-1)
     # A token stays while the mass strictly before it is below top_p; the top token always stays (mass 0).
     mass_before = probs.cumsum(dim=-1) - probs
@@ -225,26 +286,39 @@ def gather_logprobs(
 ) -> dict[int, PositionLogprobs]:
     """Logprobs of the sampled token and the top-N, from the raw logits, for the rows that asked.
     Returns row index -> logprobs. A rank is 1 + the number of tokens with a strictly greater logprob."""
+    tensors = logprob_tensors(logits, rows, sampled)
+    return {} if tensors is None else logprob_dicts(tensors)
+
+
+def logprob_tensors(logits: torch.Tensor, rows: Sequence[SamplingRow], sampled: torch.Tensor
+                    ) -> LogprobTensors | None:
+    """gather_logprobs' work on the device, nothing read back; None when no row asked."""
     wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     if not wanted:
-        return {}
-    index = torch.tensor(wanted, device=logits.device)
+        return None
+    index = to_device(wanted, torch.long, logits.device)
     logprobs = logits[index].to(torch.float32).log_softmax(dim=-1)  # [num_wanted, vocab]
     chosen = sampled[index].unsqueeze(1)
     chosen_logprobs = logprobs.gather(1, chosen)
     chosen_ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
-    max_n = min(max(rows[i].params.logprobs or 0 for i in wanted), logprobs.shape[1])
+    num_top = [rows[i].params.logprobs or 0 for i in wanted]
+    max_n = min(max(num_top), logprobs.shape[1])
     top_logprobs, top_ids = logprobs.topk(max_n, dim=-1)  # sorted, largest first
-    chosen_list = chosen.squeeze(1).tolist()
-    chosen_logprob_list = chosen_logprobs.squeeze(1).tolist()
-    chosen_rank_list = chosen_ranks.tolist()
-    top_logprob_list = top_logprobs.tolist()
-    top_id_list = top_ids.tolist()
+    return LogprobTensors(wanted, num_top, chosen.squeeze(1), chosen_logprobs.squeeze(1), chosen_ranks,
+                          top_logprobs, top_ids)
+
+
+def logprob_dicts(tensors: LogprobTensors) -> dict[int, PositionLogprobs]:
+    """Row index -> logprobs, from LogprobTensors (read back here if they are still on the device)."""
+    chosen_list = tensors.chosen_ids.tolist()
+    chosen_logprob_list = tensors.chosen_logprobs.tolist()
+    chosen_rank_list = tensors.chosen_ranks.tolist()
+    top_logprob_list = tensors.top_logprobs.tolist()
+    top_id_list = tensors.top_ids.tolist()
 
     result: dict[int, PositionLogprobs] = {}
-    for j, i in enumerate(wanted):
+    for j, (i, num_top) in enumerate(zip(tensors.rows, tensors.num_top, strict=True)):
         position: PositionLogprobs = {chosen_list[j]: Logprob(chosen_logprob_list[j], chosen_rank_list[j])}
-        num_top = rows[i].params.logprobs or 0
         values = top_logprob_list[j][:num_top]
         rank = 0
         for n, (token_id, value) in enumerate(zip(top_id_list[j][:num_top], values, strict=True)):

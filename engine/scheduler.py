@@ -9,6 +9,12 @@ request is preempted (its blocks freed, to be recomputed later) until the older 
 admitted while budget, seats and blocks last, taking what the prefix cache already holds. A prompt longer than
 the budget is prefilled over several steps. `update_from_output()` appends the sampled tokens, registers the
 newly computed full blocks in the prefix cache (only once their K/V is written) and finishes requests.
+
+Asynchronous scheduling (engine/llm_engine.py) calls `schedule()` for step N+1 before `update_from_output()`
+of step N: a step that samples leaves its request a pending token (engine/request.py), which the next step
+takes as input from the device. So a request that step N finishes may run in step N+1 too (its blocks are
+still allocated, its extra token is discarded), except that a request whose pending tokens already reach
+max_tokens or the context is not scheduled again: that stop needs no token id.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ class ScheduledRequest:
     start: int  # tokens [start, start + num_new_tokens) run this step
     num_new_tokens: int
     samples: bool  # the step reaches the end of the known tokens, so its logits give the next token
+    # the request's tokens sampled by earlier steps whose ids the host had not read when this step was
+    # scheduled: they count as output (noise index, min_tokens), and the step's input may be one of them
+    num_pending_before: int = 0
 
 
 @dataclass
@@ -131,7 +140,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.pending_tokens_reach_length_limit:
+                index += 1  # its pending token finishes it: it keeps its seat and blocks until then
+                continue
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself: nothing older is left to schedule
             self._schedule(request, num_new, out)
@@ -144,7 +156,7 @@ class Scheduler:
             looked_up = request.num_computed_tokens == 0
             cached = self.kv.find_cached_prefix(request) if looked_up else []
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = min(request.num_tokens_with_pending - num_computed, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break
             if looked_up:
@@ -162,8 +174,10 @@ class Scheduler:
     def _schedule(request: Request, num_new: int, out: SchedulerOutput) -> None:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
-        out.scheduled.append(ScheduledRequest(request, start, num_new, request.num_computed_tokens ==
-                                              request.num_tokens))
+        samples = request.num_computed_tokens == request.num_tokens_with_pending
+        out.scheduled.append(ScheduledRequest(request, start, num_new, samples, request.num_pending_tokens))
+        if samples:
+            request.num_pending_tokens += 1  # until update_from_output reads it
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(request, num_new):
@@ -187,9 +201,14 @@ class Scheduler:
         outputs = []
         for item in out.scheduled:
             request = item.request
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            self.kv.cache_computed_blocks(request)
+            if item.samples:
+                request.num_pending_tokens -= 1
+            if request.status.is_finished:
+                continue  # aborted while the step ran, or finished by the step before (asynchronous scheduling)
+            if request.status is RequestStatus.RUNNING:
+                # only the K/V this step wrote: a later step may be scheduled (and run) already
+                self.kv.cache_computed_blocks(request, item.start + item.num_new_tokens)
+            # else: preempted by the next step's scheduling while this one ran; its token still counts
             token = sampled.get(request.request_id)
             if token is not None:
                 outputs.append(self._append(request, token))

@@ -78,11 +78,14 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(num_needed))
         return True
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Registers the request's newly completed full blocks in the prefix cache."""
+    def cache_computed_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """Registers the request's newly completed full blocks in the prefix cache: those within its first
+        `num_computed_tokens` (default: all of request.num_computed_tokens, which may count a step still to run).
+        """
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        num_full = num_computed // self.block_size
         self._hash_full_blocks(request)
         for index in range(request.num_cached_blocks, num_full):
             begin = index * self.block_size

@@ -14,13 +14,13 @@ from engine.types import FinishReason, StepOutput
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 
 
-def make_engine(tiny_model: TinyModelFactory) -> AsyncEngine:
+def make_engine(tiny_model: TinyModelFactory, async_scheduling: bool = False) -> AsyncEngine:
     return AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model("llama")), dtype="float32",
-                                              skip_tokenizer_init=True)))
+                                              skip_tokenizer_init=True, async_scheduling=async_scheduling)))
 
 
-def test_tokens_stream_from_the_engine_thread(tiny_model: TinyModelFactory) -> None:
-    engine = make_engine(tiny_model)
+def test_tokens_stream_from_the_engine_thread(tiny_model: TinyModelFactory, async_scheduling: bool) -> None:
+    engine = make_engine(tiny_model, async_scheduling)
     engine.start()
     prompt = [5, 17, 99, 4]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -19,13 +19,15 @@ def prompts_of(lengths: tuple[int, ...]) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_gpu_greedy_matches_transformers_in_float32(tiny_model: TinyModelFactory, arch: str,
-                                                    enforce_eager: bool) -> None:
+                                                    enforce_eager: bool, async_scheduling: bool) -> None:
     model = tiny_model(arch, **({"sliding_window": 8} if arch == "mistral" else {}))
     llm = LLM(model=str(model), dtype="float32", block_size=16, max_num_batched_tokens=32,
-              enforce_eager=enforce_eager, max_num_seqs=8)
+              enforce_eager=enforce_eager, max_num_seqs=8, async_scheduling=async_scheduling)
+    assert llm.engine.async_scheduling == async_scheduling
     runner = llm.engine.runner
     assert runner.device.type == "cuda" and type(runner.backend).__name__ == "TritonAttention"
     assert (runner.graphs is None) == enforce_eager
@@ -66,3 +68,37 @@ def test_gpu_graph_padding_rows_touch_no_block_of_the_pool(tiny_model: TinyModel
                                                                                 ignore_eos=True))]
     assert bool((runner.kv_cache[-1] == 7.0).all()), "a padding row wrote into the pool's last block"
     assert got == hf_greedy(tiny_model("llama"), prompts, 6)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, seed=3, max_tokens=10, min_tokens=4,
+                   logprobs=2, ignore_eos=True),
+], ids=["greedy", "seeded-logprobs-min-tokens"])
+def test_gpu_async_decode_launch_never_waits_for_the_device(tiny_model: TinyModelFactory,
+                                                           params: SamplingParams) -> None:
+    """Launching a decode step (inputs, graph replay, sampling, the copies back) must not synchronise: any
+    .item(), .tolist() or pageable copy would make torch's sync debug mode raise. Outputs equal the
+    synchronous engine's."""
+    model = str(tiny_model("llama"))
+    prompts = prompts_of((5, 9, 13))
+    expected = LLM(model=model, dtype="float32", max_num_seqs=8, async_scheduling=False).generate(prompts, params)
+    llm = LLM(model=model, dtype="float32", max_num_seqs=8, async_scheduling=True)
+    runner = llm.engine.runner
+    execute = runner.execute
+    num_checked = [0]
+
+    def execute_without_sync(batch):  # type: ignore[no-untyped-def]
+        decode_only = all(item.num_new_tokens == 1 for item in batch.scheduled)
+        torch.cuda.set_sync_debug_mode("error" if decode_only else "default")
+        try:
+            return execute(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            num_checked[0] += decode_only
+
+    runner.execute = execute_without_sync  # type: ignore[method-assign]
+    got = llm.generate(prompts, params)
+    assert num_checked[0] >= 8
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in expected]

@@ -40,17 +40,18 @@ def greedy_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = G
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_greedy_matches_transformers_for_a_mixed_batch(tiny_model: TinyModelFactory, name: str) -> None:
+def test_greedy_matches_transformers_for_a_mixed_batch(tiny_model: TinyModelFactory, name: str,
+        async_scheduling: bool) -> None:
     arch, overrides = MODELS[name]
     model = tiny_model(arch, **overrides)
-    llm = LLM(model=str(model), dtype="float32", block_size=4)
+    llm = LLM(model=str(model), dtype="float32", block_size=4, async_scheduling=async_scheduling)
     prompts = mixed_prompts(llm.engine.model_config.vocab_size)
     assert greedy_tokens(llm, prompts) == hf_greedy(model, prompts, GREEDY.max_tokens)
 
 
-def test_text_prompts_are_tokenized_like_transformers(tiny_model: TinyModelFactory) -> None:
+def test_text_prompts_are_tokenized_like_transformers(tiny_model: TinyModelFactory, async_scheduling: bool) -> None:
     model = tiny_model("llama")
-    llm = LLM(model=str(model), dtype="float32")
+    llm = LLM(model=str(model), dtype="float32", async_scheduling=async_scheduling)
     texts = ["Hello world, this is", "héllo wörld 日本語 🙂"]
     outputs = llm.generate(texts, GREEDY)
     tokenizer = llm.get_tokenizer()
@@ -62,16 +63,19 @@ def test_text_prompts_are_tokenized_like_transformers(tiny_model: TinyModelFacto
 
 
 @pytest.mark.parametrize("budget", [1, 5])
-def test_chunked_prefill_at_a_tiny_token_budget_matches(tiny_model: TinyModelFactory, budget: int) -> None:
+def test_chunked_prefill_at_a_tiny_token_budget_matches(tiny_model: TinyModelFactory, budget: int,
+        async_scheduling: bool) -> None:
     model = tiny_model("qwen3")
-    llm = LLM(model=str(model), dtype="float32", block_size=4, max_num_batched_tokens=budget)
+    llm = LLM(model=str(model), dtype="float32", block_size=4, max_num_batched_tokens=budget,
+              async_scheduling=async_scheduling)
     prompts = mixed_prompts(llm.engine.model_config.vocab_size, lengths=(7, 13, 2))
     assert greedy_tokens(llm, prompts) == hf_greedy(model, prompts, GREEDY.max_tokens)
 
 
-def test_prefix_cache_hits_on_the_second_run_and_still_matches(tiny_model: TinyModelFactory) -> None:
+def test_prefix_cache_hits_on_the_second_run_and_still_matches(tiny_model: TinyModelFactory,
+        async_scheduling: bool) -> None:
     model = tiny_model("llama")
-    llm = LLM(model=str(model), dtype="float32", block_size=4)
+    llm = LLM(model=str(model), dtype="float32", block_size=4, async_scheduling=async_scheduling)
     vocab = llm.engine.model_config.vocab_size
     shared = mixed_prompts(vocab, lengths=(18,), seed=1)[0]
     prompts = [shared + tail for tail in mixed_prompts(vocab, lengths=(1, 5, 9), seed=2)]
@@ -84,9 +88,10 @@ def test_prefix_cache_hits_on_the_second_run_and_still_matches(tiny_model: TinyM
     assert first[0].outputs[0].token_ids == second[0].outputs[0].token_ids
 
 
-def test_a_full_prefix_hit_still_recomputes_the_last_token(tiny_model: TinyModelFactory) -> None:
+def test_a_full_prefix_hit_still_recomputes_the_last_token(tiny_model: TinyModelFactory,
+        async_scheduling: bool) -> None:
     model = tiny_model("llama")
-    llm = LLM(model=str(model), dtype="float32", block_size=4)
+    llm = LLM(model=str(model), dtype="float32", block_size=4, async_scheduling=async_scheduling)
     prompt = mixed_prompts(llm.engine.model_config.vocab_size, lengths=(16,))[0]  # exactly 4 blocks
     a = llm.generate([prompt], GREEDY)[0]
     b = llm.generate([prompt], GREEDY)[0]
@@ -94,21 +99,23 @@ def test_a_full_prefix_hit_still_recomputes_the_last_token(tiny_model: TinyModel
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(model, [prompt], 10)[0]
 
 
-def test_preemption_with_a_tiny_pool_still_matches(tiny_model: TinyModelFactory) -> None:
+def test_preemption_with_a_tiny_pool_still_matches(tiny_model: TinyModelFactory, async_scheduling: bool) -> None:
     model = tiny_model("qwen2")
     # 12 blocks of 4 tokens: four 9-token prompts + 10 outputs each cannot all fit at once
-    llm = LLM(model=str(model), dtype="float32", block_size=4, num_kv_blocks=12)
+    llm = LLM(model=str(model), dtype="float32", block_size=4, num_kv_blocks=12,
+              async_scheduling=async_scheduling)
     prompts = mixed_prompts(llm.engine.model_config.vocab_size, lengths=(9, 9, 9, 9), seed=3)
     assert greedy_tokens(llm, prompts) == hf_greedy(model, prompts, GREEDY.max_tokens)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv.num_free_blocks == 12
 
 
-def test_request_admitted_with_its_prompt_kv_in_place_matches(tiny_model: TinyModelFactory) -> None:
+def test_request_admitted_with_its_prompt_kv_in_place_matches(tiny_model: TinyModelFactory,
+        async_scheduling: bool) -> None:
     """What a decode node does: the prompt's K/V arrive from elsewhere; it continues from the first token."""
     model = tiny_model("llama")
-    prefill = LLMEngine(_config(model))
-    decode = LLMEngine(_config(model))
+    prefill = LLMEngine(_config(model, async_scheduling))
+    decode = LLMEngine(_config(model, async_scheduling))
     prompt = mixed_prompts(prefill.model_config.vocab_size, lengths=(11,), seed=4)[0]
 
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -137,16 +144,16 @@ def test_request_admitted_with_its_prompt_kv_in_place_matches(tiny_model: TinyMo
     assert decode.kv.num_free_blocks == decode.kv.num_blocks and not decode.requests
 
 
-def _config(model: Path):  # type: ignore[no-untyped-def]
+def _config(model: Path, async_scheduling: bool):  # type: ignore[no-untyped-def]
     from engine.config import EngineConfig
-    return EngineConfig(model=str(model), dtype="float32", block_size=4)
+    return EngineConfig(model=str(model), dtype="float32", block_size=4, async_scheduling=async_scheduling)
 
 
-def test_bfloat16_runs_close_to_float32(tiny_model: TinyModelFactory) -> None:
+def test_bfloat16_runs_close_to_float32(tiny_model: TinyModelFactory, async_scheduling: bool) -> None:
     model = tiny_model("llama")
     prompts = mixed_prompts(1000, lengths=(5, 12))
-    reference = greedy_tokens(LLM(model=str(model), dtype="float32"), prompts)
-    bf16 = LLM(model=str(model), dtype="bfloat16")
+    reference = greedy_tokens(LLM(model=str(model), dtype="float32", async_scheduling=async_scheduling), prompts)
+    bf16 = LLM(model=str(model), dtype="bfloat16", async_scheduling=async_scheduling)
     assert bf16.engine.runner.kv_cache.dtype == torch.bfloat16
     tokens = greedy_tokens(bf16, prompts)
     # bf16 may flip a near-tie later on; the first tokens must agree
@@ -154,12 +161,13 @@ def test_bfloat16_runs_close_to_float32(tiny_model: TinyModelFactory) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_triton_backend_interpreted_matches_transformers(tiny_model: TinyModelFactory, arch: str) -> None:
+def test_triton_backend_interpreted_matches_transformers(tiny_model: TinyModelFactory, arch: str,
+        async_scheduling: bool) -> None:
     """The real Triton attention kernels, run by Triton's CPU interpreter, through the whole engine:
     prefill chunks with a cached prefix, then batched decode."""
     model = tiny_model(arch)
     llm = LLM(model=str(model), dtype="float32", block_size=4, max_num_batched_tokens=8,
-              attention_backend="triton")
+              attention_backend="triton", async_scheduling=async_scheduling)
     assert type(llm.engine.runner.backend).__name__ == "TritonAttention"
     prompts = mixed_prompts(llm.engine.model_config.vocab_size, lengths=(3, 11))
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

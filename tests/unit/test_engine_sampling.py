@@ -16,8 +16,8 @@ from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model: TinyModelFactory) -> LLM:
-    return LLM(model=str(tiny_model("llama")), dtype="float32", block_size=4)
+def llm(tiny_model: TinyModelFactory, async_scheduling: bool) -> LLM:
+    return LLM(model=str(tiny_model("llama")), dtype="float32", block_size=4, async_scheduling=async_scheduling)
 
 
 def prompts_of(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
@@ -125,8 +125,8 @@ def early_eos_model(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="module")
-def early_eos_llm(early_eos_model: Path) -> LLM:
-    return LLM(model=str(early_eos_model), dtype="float32", block_size=4)
+def early_eos_llm(early_eos_model: Path, async_scheduling: bool) -> LLM:
+    return LLM(model=str(early_eos_model), dtype="float32", block_size=4, async_scheduling=async_scheduling)
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
@@ -146,8 +146,8 @@ def test_eos_text_is_left_out_unless_include_stop_str_in_output(
     assert out.finish_reason == FinishReason.STOP and out.stop_reason is None
 
 
-def test_eos_ends_generation_unless_ignored(tiny_model: TinyModelFactory) -> None:
-    llm = LLM(model=str(tiny_model("llama")), dtype="float32")
+def test_eos_ends_generation_unless_ignored(tiny_model: TinyModelFactory, async_scheduling: bool) -> None:
+    llm = LLM(model=str(tiny_model("llama")), dtype="float32", async_scheduling=async_scheduling)
     eos = next(iter(llm.engine.model_config.eos_token_ids))
     # make the EOS token the overwhelming favourite by raising its lm_head row
     with torch.no_grad():
@@ -172,8 +172,8 @@ def test_logprobs_are_raw_model_logprobs_with_ranks(llm: LLM) -> None:
     assert out.cumulative_logprob is not None and math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
 
 
-def test_context_limit_ends_with_length(tiny_model: TinyModelFactory) -> None:
-    llm = LLM(model=str(tiny_model("llama")), dtype="float32", max_model_len=12)
+def test_context_limit_ends_with_length(tiny_model: TinyModelFactory, async_scheduling: bool) -> None:
+    llm = LLM(model=str(tiny_model("llama")), dtype="float32", max_model_len=12, async_scheduling=async_scheduling)
     out = llm.generate([prompts_of((9,))[0]], SamplingParams(temperature=0.0, max_tokens=None,
                                                              ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason == FinishReason.LENGTH

@@ -22,9 +22,10 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture
-def engine(tiny_model: TinyModelFactory) -> Iterator[AsyncEngine]:
+def engine(tiny_model: TinyModelFactory, async_scheduling: bool) -> Iterator[AsyncEngine]:
     engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model("llama")), dtype="float32", block_size=4,
-                                                num_kv_blocks=32, skip_tokenizer_init=True)))
+                                                num_kv_blocks=32, skip_tokenizer_init=True,
+                                                async_scheduling=async_scheduling)))
     yield engine
     engine.stop()
 
