@@ -39,7 +39,11 @@ class DecodeConfig:
     # 3 partitions, 89% with 2).
     programs_per_sm: int = 8
     programs_per_sm_large_batch: int = 4
-    min_partition: int = 256  # never split the context finer than this many tokens
+    # never split the context finer than this many tokens: at short contexts a small batch is latency-bound,
+    # and finer splits pay (H200, bench/h200/decode_sweep.py: batch 1 x 1k 9.3 -> 6.8 us with 128 instead of
+    # 256, batch 8 x 1k 16.8 -> 15.7 us, batch 1 x 8k 16.9 -> 16.1 us; 64 gave 6.0 us at batch 1 but lost at
+    # batch 8, and 32 lost 10% at batch 64)
+    min_partition: int = 128
     partition_size: int | None = None  # fixed partition length (tests, tuning); overrides the two above
 
 
