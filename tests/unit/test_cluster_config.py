@@ -122,6 +122,12 @@ def test_node_flag_defaults_equal_the_offline_llm_defaults() -> None:
     assert args.max_num_seqs == 128  # was 64 on nodes
     config = engine_config(args)
     assert (config.load_format, config.enforce_eager) == (offline["load_format"], offline["enforce_eager"])
+    assert config.async_scheduling is offline["async_scheduling"] is None  # the engine picks by device
+
+
+def test_node_async_scheduling_flag_reaches_the_engine_config() -> None:
+    assert engine_config(node_args("--async-scheduling")).async_scheduling is True
+    assert engine_config(node_args("--no-async-scheduling")).async_scheduling is False
 
 
 def test_node_load_format_and_enforce_eager_reach_the_engine_config() -> None:
