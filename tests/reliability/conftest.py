@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
+from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy_cached
 from tests.reliability.harness import Cluster, Row, started_cluster, write_report
 
 
@@ -21,5 +21,6 @@ def report_rows() -> Iterator[list[Row]]:
 
 @pytest.fixture(scope="session")
 def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with started_cluster(tiny_model("llama"), tmp_path_factory.mktemp("reliability-logs"), hf_greedy) as running:
+    with started_cluster(tiny_model("llama"), tmp_path_factory.mktemp("reliability-logs"),
+                         hf_greedy_cached) as running:
         yield running

@@ -49,11 +49,12 @@ NUM_KV_BLOCKS = 256
 PROMPT_LENGTH = 32
 NUM_PROMPTS = 8
 MAX_TOKENS = 12  # the ordinary load's; longer streams for the scenarios that need them
-LONG_MAX_TOKENS = 64  # the longest any request asks for (the reference is computed this long)
+LONG_MAX_TOKENS = 48  # the longest any request asks for (the reference is computed this long)
 NODE_FLAGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--heartbeat-seconds", "0.5", "--registry-ttl-seconds", "2"]
 PROXY_FLAGS = ["--block-size", "4", "--routing", "round_robin", "--colocate-max-tokens", "0",
                "--health-check-interval", "0.25", "--health-check-timeout", "1.0", "--prefill-attempt-timeout", "5",
                "--decode-first-token-timeout", "5", "--request-timeout", str(REQUEST_TIMEOUT_S)]
+SHORT_DEADLINE_S = 0.5  # the second proxy's, for the deadline scenario
 NODE_NAMES = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 FAULTY_NODE = "decode-1"
 
@@ -125,6 +126,8 @@ class Cluster:
     references: dict[tuple[int, ...], list[int]]  # prompt -> its greedy tokens (LONG_MAX_TOKENS of them)
     tokenizer: Any
     proxy: Process | None = None
+    short_proxy: Process | None = None  # a second proxy whose deadline is SHORT_DEADLINE_S
+    short_proxy_port: int = 0
 
     @property
     def url(self) -> str:
@@ -134,9 +137,28 @@ class Cluster:
         return str(self.tokenizer.decode(self.references[tuple(prompt)][:max_tokens], skip_special_tokens=True))
 
     # -- processes -------------------------------------------------------------------------------------------------
+    @property
+    def short_url(self) -> str:
+        return f"http://127.0.0.1:{self.short_proxy_port}"
+
     def start_proxy(self) -> None:
         self.proxy = Process("proxy", ["--model", str(self.model), "--registry", self.redis.url, "--port",
                                        str(self.proxy_port), "--log-level", "warning", *PROXY_FLAGS], self.log_dir)
+
+    def start_short_proxy(self) -> None:
+        self.short_proxy_port = free_port()
+        self.short_proxy = Process("proxy", ["--model", str(self.model), "--registry", self.redis.url, "--port",
+                                             str(self.short_proxy_port), "--log-level", "warning", *PROXY_FLAGS,
+                                             "--request-timeout", str(SHORT_DEADLINE_S)], self.log_dir)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, restart: bool = True) -> None:
+        """Stops the node with `sig` and, with `restart`, starts it again at once (it loads while the scenario
+        goes on; `restore` waits for it)."""
+        node = self.nodes[name]
+        assert node.process is not None
+        node.process.stop(sig)
+        if restart:
+            node.start(self.log_dir)
 
     def restore(self, timeout: float = 120.0) -> None:
         """Back to full strength: every dead process restarted, no fault planned, every node thawed, and the
@@ -177,8 +199,9 @@ class Cluster:
             if node.process is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(node.process.popen.pid, signal.SIGCONT)
-        if self.proxy is not None:
-            self.proxy.stop()
+        for proxy in (self.proxy, self.short_proxy):
+            if proxy is not None:
+                proxy.stop()
         for node in self.nodes.values():
             if node.process is not None:
                 node.process.stop()
@@ -236,8 +259,10 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
 
 
 @contextlib.contextmanager
-def started_cluster(model: Path, log_dir: Path, hf_greedy: Callable[[Path, list[list[int]], int], list[list[int]]]
+def started_cluster(model: Path, log_dir: Path, oracle: Callable[[Path, list[list[int]], int], list[list[int]]]
                     ) -> Iterator[Cluster]:
+    """The cluster at full strength; `oracle(model, prompts, max_new_tokens)` gives the greedy references (it runs
+    while the nodes load)."""
     from transformers import AutoTokenizer
 
     redis = RedisServer(log_dir)
@@ -253,13 +278,15 @@ def started_cluster(model: Path, log_dir: Path, hf_greedy: Callable[[Path, list[
         if name == FAULTY_NODE:
             module, args = "tests.reliability.faulty_node", ["--fault-plan", str(fault_plan), *args]
         nodes[name] = Node(name, port, module, args)
-    all_prompts = prompts()
-    references = dict(zip(map(tuple, all_prompts), hf_greedy(model, all_prompts, LONG_MAX_TOKENS), strict=True))
-    cluster = Cluster(model, log_dir, redis, nodes, fault_plan, free_port(), references,
+    cluster = Cluster(model, log_dir, redis, nodes, fault_plan, free_port(), {},
                       AutoTokenizer.from_pretrained(str(model)))
     try:
         for node in nodes.values():  # started together: they load at the same time
             node.start(log_dir)
+        cluster.start_short_proxy()
+        all_prompts = prompts()
+        cluster.references = dict(zip(map(tuple, all_prompts), oracle(model, all_prompts, LONG_MAX_TOKENS),
+                                      strict=True))
         cluster.restore()
         yield cluster
     finally:
@@ -366,8 +393,11 @@ class Load:
     def _run(self, rng: random.Random) -> None:
         all_prompts = prompts()
         while not self._stop.is_set():
-            self.outcomes.append(stream_once(self.cluster, rng.choice(all_prompts), self.behaviour, rng,
-                                             self.proxy_killed, self.url, self.deadline_s))
+            outcome = stream_once(self.cluster, rng.choice(all_prompts), self.behaviour, rng, self.proxy_killed,
+                                  self.url, self.deadline_s)
+            self.outcomes.append(outcome)
+            if outcome.kind is Kind.CUT:  # the proxy is down: no point in hammering its port
+                time.sleep(0.2)
 
     def successes_after(self, moment: float) -> int:
         return sum(1 for o in self.outcomes if o.kind is Kind.OK and o.started >= moment)

@@ -28,19 +28,17 @@ from engine.types import SamplingParams
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import params_to_proto
-from tests.integration.processes import Process
 from tests.reliability.faults import FaultPlan
 from tests.reliability.harness import (
     LEASE_S,
     LONG_MAX_TOKENS,
-    PROXY_FLAGS,
     REQUEST_TIMEOUT_S,
+    SHORT_DEADLINE_S,
     ClientBehaviour,
     Cluster,
     Kind,
     Load,
     Row,
-    free_port,
     recovery_seconds,
     wait_for,
 )
@@ -90,13 +88,12 @@ def busy(cluster: Cluster, name: str) -> bool:
 
 
 def kill_when_busy(cluster: Cluster, name: str) -> None:
-    """kill -9 as soon as Stats shows the node holding a request (at the latest after 5 s)."""
+    """kill -9 as soon as Stats shows the node holding a request (at the latest after 5 s); it starts again at once
+    (and serves again once loaded)."""
     deadline = time.monotonic() + 5
     while not busy(cluster, name) and time.monotonic() < deadline:
         pass
-    process = cluster.nodes[name].process
-    assert process is not None
-    process.stop(signal.SIGKILL)
+    cluster.kill(name)
 
 
 def test_no_fault_baseline(cluster: Cluster, report_rows: list[Row]) -> None:
@@ -195,7 +192,7 @@ def test_slow_reader(cluster: Cluster, report_rows: list[Row]) -> None:
 
     def fault() -> None:
         slow.__enter__()
-        time.sleep(2.0)
+        time.sleep(1.0)
 
     try:
         row = run_scenario(cluster, report_rows, "slow readers (2, 50 ms per event)", fault)
@@ -216,7 +213,7 @@ def test_proxy_restart(cluster: Cluster, report_rows: list[Row]) -> None:
         assert cluster.proxy is not None
         down.set()
         cluster.proxy.stop(signal.SIGKILL)
-        cluster.start_proxy()
+        cluster.start_proxy()  # on the same port
         wait_for(lambda: cluster.ready_nodes() == {"prefill": 2, "decode": 2}, 60, "the new proxy ready")
         down.clear()
 
@@ -228,23 +225,16 @@ def test_proxy_restart(cluster: Cluster, report_rows: list[Row]) -> None:
 def test_deadline_cancelled_requests(cluster: Cluster, report_rows: list[Row]) -> None:
     """Clients of a proxy whose deadline is 0.5 s, asking for streams longer than that: each ends by then, with
     its answer or a clear error (504, deadline_exceeded), and the cancelled RPCs leave nothing on the nodes."""
-    port = free_port()
-    short = Process("proxy", ["--model", str(cluster.model), "--registry", cluster.redis.url, "--port", str(port),
-                              "--log-level", "warning", *PROXY_FLAGS[:-2], "--request-timeout", "0.5"],
-                    cluster.log_dir)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: cluster.ready_nodes(url) == {"prefill": 2, "decode": 2}, 60, "the 0.5 s proxy ready")
-        row = run_scenario(cluster, report_rows, "deadline-cancelled requests (0.5 s deadline)", lambda: None,
-                           behaviour=ClientBehaviour(max_tokens=LONG_MAX_TOKENS), url=url, deadline_s=0.5,
-                           allow_5xx=True, notes="the fault is the deadline: 504s expected")
-    finally:
-        short.stop()
+    url = cluster.short_url
+    wait_for(lambda: cluster.ready_nodes(url) == {"prefill": 2, "decode": 2}, 60, "the 0.5 s proxy ready")
+    row = run_scenario(cluster, report_rows, f"deadline-cancelled requests ({SHORT_DEADLINE_S} s deadline)",
+                       lambda: None, behaviour=ClientBehaviour(max_tokens=LONG_MAX_TOKENS), url=url,
+                       deadline_s=SHORT_DEADLINE_S, allow_5xx=True, notes="the fault is the deadline: 504s expected")
     deadline_errors = [o for o in row.outcomes if o.kind is Kind.FAILED and "deadline" in o.detail]
     assert deadline_errors, "no request was cut by its deadline"
     assert all(o.kind is Kind.OK or o in deadline_errors for o in row.outcomes), "a failure other than the deadline"
     late = max(o.seconds for o in row.outcomes)
-    assert late < 0.5 + 2.0, f"a request took {late:.2f} s with a 0.5 s deadline"
+    assert late < SHORT_DEADLINE_S + 2.0, f"a request took {late:.2f} s with a {SHORT_DEADLINE_S} s deadline"
 
 
 async def deadline_cancelled_prefills(address: str, num_rpcs: int, seed: int) -> dict[str, int]:
@@ -292,5 +282,7 @@ def test_deadline_cancelled_prefill_rpcs_leak_nothing_and_sigterm_is_prompt(clus
     process.popen.wait(60)
     exit_s = time.monotonic() - started
     row.notes = f"{NUM_RPCS} RPCs of 1-60 ms: {ends}; then SIGTERM: exit in {exit_s:.1f} s (drain timeout 120 s)"
-    assert "drain timed out" not in process.log()
+    log = process.log()
+    cluster.kill("prefill-1", restart=True)  # already gone: started again for the scenarios after this one
+    assert "drain timed out" not in log
     assert exit_s < 15, f"the prefill node took {exit_s:.1f} s to exit on SIGTERM"
