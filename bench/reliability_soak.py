@@ -137,7 +137,8 @@ def start_cluster(model: Path, log_dir: Path, redis_url: str) -> tuple[list[Node
         node.child.wait_for_line("READY", 300)
     port = free_port()
     command = [sys.executable, "-m", "proxy", "--model", str(model), "--registry", redis_url, "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning", "--request-timeout", "60"]
+               "--port", str(port), "--log-level", "warning", "--request-timeout", "60",
+               "--colocate-max-tokens", "0"]  # every request moves its KV from P to D
     proxy = Child("proxy", command, log_dir / "proxy.log", child_env({}))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -199,12 +199,14 @@ class Cluster:
             if node.process is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(node.process.popen.pid, signal.SIGCONT)
-        for proxy in (self.proxy, self.short_proxy):
-            if proxy is not None:
-                proxy.stop()
-        for node in self.nodes.values():
-            if node.process is not None:
-                node.process.stop()
+        processes = [p for p in (self.proxy, self.short_proxy, *(n.process for n in self.nodes.values()))
+                     if p is not None]
+        for process in processes:  # all at once: each node drains for a while
+            if process.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.popen.pid, signal.SIGTERM)
+        for process in processes:
+            process.stop()
         self.redis.stop()
 
     # -- what the nodes say ----------------------------------------------------------------------------------------
@@ -223,6 +225,9 @@ class Cluster:
         """Once load has stopped: KV blocks still taken on each live node (plus requests still there and tickets
         still pinned) once they are all idle or `timeout` has passed (leases expire within LEASE_S)."""
         deadline = time.monotonic() + timeout
+        for node in self.nodes.values():  # a node restarted by the scenario is checked too, once it serves
+            if node.process is not None and node.alive:
+                node.process.wait_for_line("READY", timeout=120)
         while True:
             leaked = {}
             for name, node in self.nodes.items():

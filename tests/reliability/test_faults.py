@@ -10,6 +10,9 @@ concurrent greedy streaming clients, and checks the invariants every scenario mu
 
 The scenarios share one cluster (tests/reliability/harness.py), brought back to full strength before each. Every
 scenario adds its row to bench/results/reliability-<date>.md, written when the session ends.
+
+The SIGSTOP scenarios took over tests/integration/test_frozen_nodes.py (issue 13, defect 3: requests sent to a
+frozen node are given up there and complete elsewhere with the greedy output; the thawed node frees everything).
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ from tests.reliability.harness import (
 pytestmark = pytest.mark.integration
 
 NUM_CLIENTS = 4
-AFTER_FAULT_S = 2.0  # load kept on after the fault (a freeze lasts this long)
-LEAK_TIMEOUT_S = LEASE_S + 12.0
-NUM_RPCS = 160  # leases expire, reads in flight end, aborts reach thawed nodes
+AFTER_FAULT_S = 2.0  # load kept on after the fault
+LEAK_TIMEOUT_S = LEASE_S + 12.0  # leases expire, reads in flight end, aborts reach thawed nodes
+FREEZE_S = 4.0  # long enough for the proxy to give a frozen node up (two failed 1 s health checks)
+NUM_RPCS = 160  # deadline-cancelled Prefill RPCs (defect 2)
 
 
 def run_scenario(cluster: Cluster, rows: list[Row], name: str, fault: Callable[[], None], *,
@@ -144,13 +148,21 @@ def frozen_for(cluster: Cluster, name: str, seconds: float) -> Callable[[], None
 
 
 def test_sigstop_prefill_node(cluster: Cluster, report_rows: list[Row]) -> None:
-    row = run_scenario(cluster, report_rows, "SIGSTOP P (2.5 s)", frozen_for(cluster, "prefill-0", 2.5))
+    """Requests sent to a frozen P are given up there (health checks) and prefilled on the other P, rather than
+    waiting for the thaw; once thawed it frees what it took for them (issue 13, defect 3)."""
+    abandoned = cluster.metric("tandem:attempts_abandoned_total", role="prefill", reason="node_lost")
+    row = run_scenario(cluster, report_rows, f"SIGSTOP P ({FREEZE_S:g} s)", frozen_for(cluster, "prefill-0", FREEZE_S),
+                       notes="given up on, retried on the other P")
+    assert cluster.metric("tandem:attempts_abandoned_total", role="prefill", reason="node_lost") > abandoned
     assert row.count(Kind.FAILED) == 0
 
 
 def test_sigstop_decode_node(cluster: Cluster, report_rows: list[Row]) -> None:
-    row = run_scenario(cluster, report_rows, "SIGSTOP D (2.5 s)", frozen_for(cluster, "decode-0", 2.5),
-                       behaviour=ClientBehaviour(max_tokens=32))
+    """Requests on a frozen D, before or after it streamed, continue on the other D."""
+    abandoned = cluster.metric("tandem:attempts_abandoned_total", role="decode", reason="node_lost")
+    row = run_scenario(cluster, report_rows, f"SIGSTOP D ({FREEZE_S:g} s)", frozen_for(cluster, "decode-0", FREEZE_S),
+                       behaviour=ClientBehaviour(max_tokens=32), notes="given up on, retried or migrated")
+    assert cluster.metric("tandem:attempts_abandoned_total", role="decode", reason="node_lost") > abandoned
     assert row.count(Kind.FAILED) == 0
 
 
