@@ -235,13 +235,15 @@ def test_proxy_restart(cluster: Cluster, report_rows: list[Row]) -> None:
 
 
 def test_deadline_cancelled_requests(cluster: Cluster, report_rows: list[Row]) -> None:
-    """Clients of a proxy whose deadline is 0.5 s, asking for streams longer than that: each ends by then, with
-    its answer or a clear error (504, deadline_exceeded), and the cancelled RPCs leave nothing on the nodes."""
+    """Clients of a proxy whose deadline is 0.5 s while a decode node is frozen for 2 s: the requests sent there
+    pass their deadline (the proxy gives a frozen node up only after its health checks fail), so the proxy
+    cancels their RPCs and answers a clear 504 by the deadline; the others succeed; the thawed node frees what it
+    held for the cancelled ones."""
     url = cluster.short_url
     wait_for(lambda: cluster.ready_nodes(url) == {"prefill": 2, "decode": 2}, 60, "the 0.5 s proxy ready")
-    row = run_scenario(cluster, report_rows, f"deadline-cancelled requests ({SHORT_DEADLINE_S} s deadline)",
-                       lambda: None, behaviour=ClientBehaviour(max_tokens=LONG_MAX_TOKENS), url=url,
-                       deadline_s=SHORT_DEADLINE_S, allow_5xx=True, notes="the fault is the deadline: 504s expected")
+    row = run_scenario(cluster, report_rows, f"deadline-cancelled requests ({SHORT_DEADLINE_S} s deadline, D frozen)",
+                       frozen_for(cluster, "decode-0", 2.0), url=url, deadline_s=SHORT_DEADLINE_S, allow_5xx=True,
+                       notes="the fault is the deadline: 504s expected")
     deadline_errors = [o for o in row.outcomes if o.kind is Kind.FAILED and "deadline" in o.detail]
     assert deadline_errors, "no request was cut by its deadline"
     assert all(o.kind is Kind.OK or o in deadline_errors for o in row.outcomes), "a failure other than the deadline"
