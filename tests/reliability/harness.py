@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -444,7 +444,6 @@ class Row:
     leaked: dict[str, int]
     recovery_s: float | None
     notes: str = ""
-    extra: dict[str, str] = field(default_factory=dict)
 
     def count(self, kind: Kind) -> int:
         return sum(1 for o in self.outcomes if o.kind is kind)
