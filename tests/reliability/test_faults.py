@@ -86,17 +86,21 @@ def check_invariants(row: Row, allow_5xx: bool = False) -> None:
     assert row.recovery_s is not None, f"{row.scenario}: no request sent after the fault succeeded"
 
 
-def busy(cluster: Cluster, name: str) -> bool:
+def busy(cluster: Cluster, name: str, min_running: int) -> bool:
     stats = cluster.stats(name, timeout=1.0)
-    return stats is not None and stats.num_running + stats.num_waiting > 0
+    if stats is None:
+        return False
+    return stats.num_running >= min_running if min_running else stats.num_running + stats.num_waiting > 0
 
 
-def kill_when_busy(cluster: Cluster, name: str) -> None:
-    """kill -9 as soon as Stats shows the node holding a request (at the latest after 5 s); it starts again at once
-    (and serves again once loaded)."""
+def kill_when_busy(cluster: Cluster, name: str, min_running: int = 0, settle_s: float = 0.0) -> None:
+    """kill -9 as soon as Stats shows the node holding a request (with `min_running`: that many running, then
+    `settle_s` later, so that they have streamed), at the latest after 5 s; it starts again at once (and serves
+    again once loaded)."""
     deadline = time.monotonic() + 5
-    while not busy(cluster, name) and time.monotonic() < deadline:
+    while not busy(cluster, name, min_running) and time.monotonic() < deadline:
         pass
+    time.sleep(settle_s)
     cluster.kill(name)
 
 
@@ -128,7 +132,8 @@ def test_kill_prefill_node_mid_transfer(cluster: Cluster, report_rows: list[Row]
 
 def test_kill_decode_node_mid_stream(cluster: Cluster, report_rows: list[Row]) -> None:
     migrated = cluster.metric("tandem:decode_migrations_total", outcome="migrated")
-    row = run_scenario(cluster, report_rows, "kill -9 D mid-stream", lambda: kill_when_busy(cluster, "decode-0"),
+    row = run_scenario(cluster, report_rows, "kill -9 D mid-stream",
+                       lambda: kill_when_busy(cluster, "decode-0", min_running=2, settle_s=0.1),
                        behaviour=ClientBehaviour(max_tokens=LONG_MAX_TOKENS), notes="streams migrated to the other D")
     assert cluster.metric("tandem:decode_migrations_total", outcome="migrated") > migrated, "no stream migrated"
     assert row.count(Kind.FAILED) == 0
