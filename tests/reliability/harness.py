@@ -49,7 +49,7 @@ NUM_KV_BLOCKS = 256
 PROMPT_LENGTH = 32
 NUM_PROMPTS = 8
 MAX_TOKENS = 12  # the ordinary load's; longer streams for the scenarios that need them
-LONG_MAX_TOKENS = 48  # the longest any request asks for (the reference is computed this long)
+LONG_MAX_TOKENS = 96  # the longest any request asks for (the reference is computed this long)
 NODE_FLAGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--heartbeat-seconds", "0.5", "--registry-ttl-seconds", "2"]
 PROXY_FLAGS = ["--block-size", "4", "--routing", "round_robin", "--colocate-max-tokens", "0",
                "--health-check-interval", "0.25", "--health-check-timeout", "1.0", "--prefill-attempt-timeout", "5",
