@@ -1,16 +1,18 @@
 """How a cluster on one CPU machine shares its cores: torch threads per node process, and which prompts the
 decode nodes prefill themselves.
 
-Why it matters: every node is a torch process whose intra-op (OpenMP) threads default to one per core, so one
-prefill and one decode node on a 2-core box run 4 compute threads on 2 cores, next to the proxy. An OpenMP
-parallel region ends in a barrier: when one of its threads has lost its core to the other node's, the whole step
-waits for a scheduler time slice. And disaggregation buys nothing there: P and D compute on the same cores, so a
-prefill on P slows D's decode steps exactly as a prefill chunk in D's own batch would, plus a KV transfer and a
-second engine loop. So on a machine with fewer cores than nodes need (`CORES_PER_NODE` each) the decode nodes
-take the cores and prefill their requests themselves, prompts up to a full prefill step (chunked prefill in the
-running batch, as vLLM does on one machine); the prefill nodes keep one thread each and take what the router
-still sends them (prompts longer than a step, or a decode node that is full). On a machine with cores for every
-node, each node gets an equal share and the router keeps its own colocation threshold.
+Why it matters: every node is a torch process. Left to itself it runs one intra-op (OpenMP) thread per core, so
+one prefill and one decode node on a 2-core box run 4 compute threads on 2 cores next to the proxy, and an OpenMP
+parallel region ends in a barrier: when one of its threads has lost its core to the other node, the whole step
+waits for a scheduler time slice. Under Ray it runs what the actor's OMP_NUM_THREADS says (the actor's whole CPUs,
+at least 1): with `--node-cpus 0.5`, one thread each, so each phase of a request ran on half the machine while the
+other half waited for the other phase. And disaggregation buys nothing on shared cores: a prefill on P slows D's
+decode steps as much as the same chunk in D's own batch would, plus a KV transfer and a second engine loop. So on
+a machine with fewer cores than the nodes need (`CORES_PER_NODE` each) the decode nodes take the cores and
+prefill their requests themselves, prompts up to a full prefill step (chunked prefill in the running batch, as
+vLLM does on one machine); the prefill nodes keep one thread each and take what the router still sends them
+(prompts longer than a step, or a decode node that fills up). On a machine with cores for every node, each node
+gets an equal share and the router keeps its own colocation threshold.
 
 GPU nodes are left alone: their torch threads only launch kernels.
 """
@@ -27,6 +29,7 @@ from settings.cluster import ENGINE_DEFAULTS
 
 # Below this many cores per node process, nodes sharing the machine slow each other down more than
 # disaggregation saves (a prefill node needs cores of its own to take prefills off the decode nodes' steps).
+# Measured at 2 cores only (bench/results/serving-cpu-2026-12-03.md); 4 is a judgement for machines in between.
 CORES_PER_NODE = 4
 
 
