@@ -71,6 +71,9 @@ class NodeLaunch:
     gpus_per_rank: float = 0.0  # 0: the nodes run on CPU; a fraction: nodes share a GPU (Ray packs them)
     gpu_memory_utilization: float | None = None  # what each node on a GPU takes of its memory (None: its default)
     bind_loopback: bool = True  # a single-machine cluster: nodes listen on 127.0.0.1 only
+    # torch CPU threads of each role's node processes (cluster/layout.py); a role not named keeps torch's default
+    # (under Ray: OMP_NUM_THREADS, which Ray sets to the actor's whole CPUs, at least 1)
+    num_threads: Mapping[str, int] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     log_dir: str | None = None
 
@@ -85,7 +88,13 @@ def placement_bundles(tp: int, gpus_per_rank: float, cpus_per_node: float) -> li
 def node_command(launch: NodeLaunch, role: str, node_id: str, host: str, port: int) -> list[str]:
     return [sys.executable, "-m", f"{role}_node", "--model", launch.model, *to_args(launch.cluster),
             "--host", host, "--port", str(port), "--node-id", node_id, "--registry", launch.registry_url,
-            *device_args(launch), *launch.extra_args]
+            *device_args(launch), *thread_args(launch, role), *launch.extra_args]
+
+
+def thread_args(launch: NodeLaunch, role: str) -> list[str]:
+    """Before the extra args, so that a `--num-threads` in --node-args wins."""
+    num_threads = launch.num_threads.get(role)
+    return [] if num_threads is None else ["--num-threads", str(num_threads)]
 
 
 def device_args(launch: NodeLaunch) -> list[str]:

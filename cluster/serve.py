@@ -33,6 +33,7 @@ import ray
 import uvicorn
 
 from cluster.admin import AdminServer, bind_admin_socket, create_admin_app, new_token
+from cluster.layout import CpuLayout, serve_layout
 from cluster.models import ModelChoiceError, resolve_model
 from cluster.pools import NodeLaunch, NodeState, PoolManager, die_with_parent, free_port
 from cluster.progress import Progress
@@ -105,8 +106,12 @@ def serve(config: ServeConfig) -> None:
         local = config.ray_address == "local"
         try:
             if local:  # "local" always starts a fresh instance (ENV-NOTES: a stale cluster address hangs)
+                # Ray runs its workers at nice 15 (to keep its own daemons responsive); the node processes the
+                # actors start inherit it, and would lose their cores to any other work on the machine, the proxy
+                # included: they are the serving work, at the priority of `tandem serve` itself
                 ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                         _node_ip_address="127.0.0.1", namespace="tandem", log_to_driver=False)
+                         _node_ip_address="127.0.0.1", namespace="tandem", log_to_driver=False,
+                         _system_config={"worker_niceness": 0})
             else:
                 ray.init(address=config.ray_address, namespace="tandem", log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
@@ -118,19 +123,26 @@ def serve(config: ServeConfig) -> None:
         has_gpus = num_gpus > 0
         config = config.placed_on(num_gpus)
         assert config.node_gpus is not None or not has_gpus, "placed_on decides node_gpus on GPU machines"
+        # CPU nodes on this machine share its cores (cluster/layout.py); on a Ray cluster each node's machine is
+        # its own, and Ray's OMP_NUM_THREADS (the actor's CPUs) stands
+        layout = serve_layout(config, os.cpu_count() or 1) if local and not has_gpus else None
+        if layout is not None:
+            logger.info("CPU layout: %s", layout)
         launch = NodeLaunch(model=str(model.resolve()), registry_url=registry_url,
                             cluster=config.node_settings(on_one_machine=local),
                             environment=config.node_environment(on_one_machine=local), tp=config.tp,
                             cpus_per_node=config.node_cpus,
                             gpus_per_rank=(config.node_gpus or 0.0) if has_gpus else 0.0,
                             gpu_memory_utilization=config.node_gpu_memory_utilization(), bind_loopback=local,
+                            num_threads={} if layout is None else {"prefill": layout.prefill_threads,
+                                                                   "decode": layout.decode_threads},
                             extra_args=tuple(shlex.split(config.node_args)), log_dir=str(log_dir))
         pools = PoolManager(launch, {"prefill": 0, "decode": 0}, startup_timeout_s=config.startup_timeout)
         try:
             pools.scale({"prefill": config.prefill_nodes, "decode": config.decode_nodes})
         except ValueError as e:
             raise ServeError(str(e)) from None
-        asyncio.run(_run(config, pools, model, served_model_name, registry_url, log_dir, children))
+        asyncio.run(_run(config, layout, pools, model, served_model_name, registry_url, log_dir, children))
     finally:
         for child in reversed(children):
             child.stop()
@@ -169,8 +181,8 @@ def _start_redis(log_dir: Path, children: list[Child]) -> str:
     return f"redis://127.0.0.1:{port}/0"
 
 
-async def _run(config: ServeConfig, pools: PoolManager, model: Path, served_model_name: str, registry_url: str,
-               log_dir: Path, children: list[Child]) -> None:
+async def _run(config: ServeConfig, layout: CpuLayout | None, pools: PoolManager, model: Path,
+               served_model_name: str, registry_url: str, log_dir: Path, children: list[Child]) -> None:
     stop = asyncio.Event()
     wake = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -187,7 +199,7 @@ async def _run(config: ServeConfig, pools: PoolManager, model: Path, served_mode
     admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))
     try:
         # the proxy loads its tokenizer while the nodes load the model; it finds them in the registry
-        proxy = _start_proxy(config, model, served_model_name, registry_url, log_dir, children)
+        proxy = _start_proxy(config, layout, model, served_model_name, registry_url, log_dir, children)
         if not await _start_pools(pools, stop):
             return
         if min(pools.desired.values()) == 0:
@@ -249,9 +261,9 @@ def _client_keys(config: ServeConfig) -> APIKeys:
         raise ServeError(str(e)) from None
 
 
-def _start_proxy(config: ServeConfig, model: Path, served_model_name: str, registry_url: str, log_dir: Path,
-                 children: list[Child]) -> Child:
-    command = proxy_command(config, model, served_model_name, registry_url)
+def _start_proxy(config: ServeConfig, layout: CpuLayout | None, model: Path, served_model_name: str,
+                 registry_url: str, log_dir: Path, children: list[Child]) -> Child:
+    command = proxy_command(config, model, served_model_name, registry_url, layout)
     # the key goes in the environment, not on a command line others can read
     env = child_environment({API_KEY_VAR: config.api_key} if config.api_key else None,
                             remove=() if config.api_key else (API_KEY_VAR,))
@@ -260,14 +272,18 @@ def _start_proxy(config: ServeConfig, model: Path, served_model_name: str, regis
     return proxy
 
 
-def proxy_command(config: ServeConfig, model: Path, served_model_name: str, registry_url: str) -> list[str]:
-    """The proxy hashes prompts' prefixes with the cluster's block size and seed, as the nodes do, and calls them
-    with the cluster's client TLS (the decode nodes' own, for their calls to prefill nodes)."""
+def proxy_command(config: ServeConfig, model: Path, served_model_name: str, registry_url: str,
+                  layout: CpuLayout | None = None) -> list[str]:
+    """The proxy hashes prompts' prefixes with the cluster's block size and seed, as the nodes do, calls them with
+    the cluster's client TLS (the decode nodes' own, for their calls to prefill nodes), and colocates as the CPU
+    layout says (before --proxy-args, so that a --colocate-max-tokens there wins)."""
     key_file = ["--api-key-file", str(Path(config.api_key_file).resolve())] if config.api_key_file else []
+    colocate = [] if layout is None or layout.colocate_max_tokens is None else [
+        "--colocate-max-tokens", str(layout.colocate_max_tokens)]
     return [sys.executable, "-m", "proxy", "--registry", registry_url, "--model", str(model),
             "--served-model-name", served_model_name, "--host", config.host, "--port", str(config.port),
             "--log-level", "warning", *to_args(config.cluster.hashing), *to_args(config.cluster.tls.client),
-            *key_file, *shlex.split(config.proxy_args)]
+            *key_file, *colocate, *shlex.split(config.proxy_args)]
 
 
 async def _wait_until_healthy(proxy: Child, config: ServeConfig, stop: asyncio.Event) -> bool:

@@ -55,6 +55,10 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=engine["async_scheduling"], help="prepare and launch step N+1 while the device "
                         "runs step N (default: on with a GPU, off on CPU, where nothing runs in parallel)")
+    parser.add_argument("--num-threads", type=int, default=None, metavar="N",
+                        help="torch CPU (intra-op) threads of this process (default: torch's, from OMP_NUM_THREADS "
+                             "or one per core; tandem serve sets it from how its nodes share the machine, see "
+                             "cluster/layout.py)")
     parser.add_argument("--log-level", default=environment.log_level())
     add_limit_args(parser)  # --max-logprobs
     add_registry_args(parser)
@@ -63,6 +67,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
 def parse_node_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
     """Parses and resolves the cluster settings: `args.cluster` holds them, and each is also `args.<name>`."""
     args, cluster = parse_args_with(parser, ClusterSettings, argv)
+    if args.num_threads is not None and args.num_threads < 1:
+        parser.error(f"--num-threads must be at least 1, got {args.num_threads}")
     args.cluster = cluster
     return args
 
@@ -85,6 +91,11 @@ def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
     from engine.device import GpuMemoryError  # torch: only in the node process
     from engine.llm_engine import LLMEngine
 
+    if args.num_threads is not None:
+        import torch
+
+        # explicitly, over OMP_NUM_THREADS: a Ray actor's children inherit Ray's OMP_NUM_THREADS=1
+        torch.set_num_threads(args.num_threads)
     try:
         return LLMEngine(engine_config(args))
     except (ValueError, GpuMemoryError) as e:  # ModelConfigError and DeviceError are ValueErrors

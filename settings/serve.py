@@ -43,6 +43,11 @@ class ServeConfig:
                                    metavar="URL")
     admin_port: int = setting(0, "port of the admin API on 127.0.0.1 (0: any free port)", minimum=0, metavar="PORT")
     node_cpus: float = setting(0.5, "CPUs reserved per node in its placement group", minimum=0.01, metavar="CPUS")
+    node_threads: int | None = setting(
+        None, "on machines without GPUs, the torch CPU threads of every node process (default: from how the nodes "
+              "share the machine's cores: on one with fewer than 4 cores per node, the decode nodes take them all "
+              "and prefill their prompts themselves, the prefill nodes 1 thread each; else an equal share each)",
+        minimum=1, metavar="N")
     node_gpus: float | None = setting(
         None, "on machines with GPUs, the GPUs each node takes per tensor-parallel rank: Ray places it and the node "
               "sees its GPU as cuda. A fraction shares a GPU (0.5: two nodes on each); 0 runs the nodes on CPU "
