@@ -9,13 +9,16 @@ The weights take twice the memory: a CPU model is small next to the host's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_HALF_TYPES = (torch.bfloat16, torch.float16)
+HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def has_half_dot_product() -> bool:
     """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where torch's bf16 GEMM is fast."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
@@ -45,7 +48,7 @@ def widen_half_linears(model: nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (isinstance(child, nn.Linear) and child.weight.dtype in _HALF_TYPES
+            if (isinstance(child, nn.Linear) and child.weight.dtype in HALF_TYPES
                     and child.weight.device.type == "cpu"):
                 setattr(parent, name, WidenedLinear(child))
                 replaced += 1
