@@ -13,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig, ModelConfigError
+from engine.layers.cpu_linear import widen_half_linears
 from engine.model.gguf_loader import gguf_tensors, is_gguf_model
 from engine.model.llama import LlamaForCausalLM
 
@@ -47,6 +48,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
         _init_dummy(model, seed)
     else:
         load_weights(model, cfg)
+    if device.type == "cpu":
+        widen_half_linears(model)  # after loading: the checkpoint fills the nn.Linear parameters by name
     return model.eval()
 
 
