@@ -41,7 +41,7 @@ unit: setup
 
 test: lint unit
 
-# the whole cluster on this machine (demo model, 1 prefill + 1 decode node, proxy on 127.0.0.1:8000);
+# the whole cluster on this machine (SmolLM2-135M-Instruct, 1 prefill + 1 decode node, proxy on 127.0.0.1:8000);
 # more flags with e.g. `make serve SERVE_ARGS="--decode-nodes 2"` (see `.venv/bin/tandem serve --help`)
 SERVE_ARGS ?=
 serve: setup
