@@ -43,8 +43,13 @@ class TritonAttention(AttentionBackend):
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_decodes = meta.num_decodes
         dense_from = self._dense_from(q, meta)
-        if meta.num_seqs == 1 and not num_decodes and dense_from and meta.seq_lens_host[0] >= dense_from \
-                and meta.seq_lens_host[0] == q.shape[0]:
+        starts = meta.query_start_loc_host
+
+        def is_dense(b: int) -> bool:  # a fresh prompt (its whole context is new) long enough for SDPA
+            num_queries = starts[b + 1] - starts[b]
+            return bool(dense_from) and num_queries == meta.seq_lens_host[b] and num_queries >= dense_from
+
+        if meta.num_seqs == 1 and not num_decodes and is_dense(0):
             # one fresh prompt is the whole step (a long prompt usually is): its result is the output, no copy
             return dense_causal_attention(q, k, v, scale)
         out = torch.empty_like(q)
@@ -52,15 +57,13 @@ class TritonAttention(AttentionBackend):
             self._decode(q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
                          meta.seq_lens[:num_decodes], scale, meta.sliding_window, out=out[:num_decodes])
         if meta.num_seqs > num_decodes:
-            starts = meta.query_start_loc_host
             paged_query_lens = []
             for b in range(num_decodes, meta.num_seqs):
                 rows = slice(starts[b], starts[b + 1])
-                num_queries = rows.stop - rows.start
-                if dense_from and num_queries == meta.seq_lens_host[b] and num_queries >= dense_from:
+                if is_dense(b):
                     out[rows] = dense_causal_attention(q[rows], k[rows], v[rows], scale)
                 else:
-                    paged_query_lens.append(num_queries)
+                    paged_query_lens.append(rows.stop - rows.start)
             if paged_query_lens:
                 # the prefill kernel indexes q and out by query_start_loc itself: the decode rows and the
                 # densely attended prompts' rows stay untouched
