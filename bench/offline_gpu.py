@@ -66,6 +66,46 @@ def decode_compute_excess(num_params: int, weight_bytes: int, num_prompts: int, 
     return per_step * (output_len - 1)
 
 
+def _trace_steps(scheduler) -> list[tuple[float, int, int, int]]:
+    """Wraps scheduler.schedule to record (time, prompt tokens, decode tokens, context tokens of the decodes)
+    of every step. With asynchronous scheduling the gap between two schedule() calls is the device time of the
+    step in flight once the device is the bottleneck."""
+    records: list[tuple[float, int, int, int]] = []
+    schedule = scheduler.schedule
+
+    def traced():
+        out = schedule()
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        records.append((time.perf_counter(), out.num_tokens - len(decodes), len(decodes),
+                        sum(s.start + 1 for s in decodes)))
+        return out
+
+    scheduler.schedule = traced
+    return records
+
+
+def _trace_report(records: list[tuple[float, int, int, int]], end: float, cfg: dict, weight_bytes: int,
+                  bandwidth: float) -> list[str]:
+    kv_bytes_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    times = [r[0] for r in records] + [end]
+    mixed = decode = decode_floor = 0.0
+    num_mixed = num_decode = 0
+    ratios = []
+    for i, (_, prompt_tokens, num_decodes, context) in enumerate(records):
+        # the step launched at records[i] runs while the host prepares the next: charge it the next gap
+        gap = times[i + 2] - times[i + 1] if i + 2 < len(times) else times[-1] - times[i]
+        if prompt_tokens:
+            mixed, num_mixed = mixed + gap, num_mixed + 1
+        elif num_decodes:
+            floor = (weight_bytes + context * kv_bytes_per_token) / bandwidth
+            decode, decode_floor, num_decode = decode + gap, decode_floor + floor, num_decode + 1
+            ratios.append(gap / floor)
+    ratios.sort()
+    median = ratios[len(ratios) // 2] if ratios else float("nan")
+    return [f"steps with prompt tokens: {num_mixed}, {mixed:.2f} s; decode-only steps: {num_decode}, "
+            f"{decode:.2f} s against a read floor of {decode_floor:.2f} s (median step {median:.2f}x its floor)"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=256)
@@ -74,6 +114,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--trace", action="store_true",
+                        help="also print where the time went: steps with prompt tokens vs decode-only steps")
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
@@ -94,6 +136,7 @@ def main() -> None:
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([p[:64] for p in prompts[:4]], warm)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    trace = _trace_steps(llm.engine.scheduler) if args.trace else None
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -117,6 +160,8 @@ def main() -> None:
         f"| {num_out / elapsed:,.0f} | {elapsed:.2f} | {roofline:.2f} ({prefill:.2f} + {decode:.2f}) "
         f"| {num_out / roofline:,.0f} | {roofline / elapsed:.2f} | {bound:.2f} | {bound / elapsed:.2f} |",
     ]
+    if trace is not None:
+        lines += ["", *_trace_report(trace, time.perf_counter(), LLAMA_31_8B, weight_bytes, bandwidth)]
     report = "\n".join(lines)
     print(report, flush=True)
     if args.out:

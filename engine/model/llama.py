@@ -32,16 +32,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), positions, kv_cache, meta, backend)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """The layer from its qkv projection's output on."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(num_tokens, self.q_size)
+        if self.rotary.fused and num_tokens == 1:
+            from engine.kernels.gemv import gemv  # the GPU kernels need triton: imported where they run
+
+            return gemv(out, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -68,6 +77,8 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream travels beside the layer output so each add fuses into the next norm:
         returns (mlp_out, residual) with the block's output = mlp_out + residual."""
+        if self.mlp.fused and x.shape[0] == 1:
+            return self._forward_one_token(x, residual, positions, kv_cache, meta, backend)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -75,6 +86,23 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, kv_cache, meta, backend)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
+
+    def _forward_one_token(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                           kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                           backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-token step (a batch-1 decode) on the GPU kernels: there every linear layer is a matrix-vector
+        product bound by reading its weights, and each norm and the SiLU-and-mul ride inside the GEMV that
+        reads their output (engine/kernels/gemv.py): three launches fewer per layer."""
+        from engine.kernels.gemv import gemv, rms_norm_gemv  # the GPU kernels need triton
+
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, residual = rms_norm_gemv(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        h = attn.attend(qkv, positions, kv_cache, meta, backend)
+        norm = self.post_attention_layernorm
+        gate_up, residual = rms_norm_gemv(h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                          mlp.gate_up_proj.bias)
+        return gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_mul_input=True), residual
 
 
 class DecoderModel(nn.Module):

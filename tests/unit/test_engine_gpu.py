@@ -37,6 +37,19 @@ def test_gpu_greedy_matches_transformers_in_float32(tiny_model: TinyModelFactory
     assert got == hf_greedy(model, prompts, 12)
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gpu_batch_one_decode_matches_transformers_in_float32(tiny_model: TinyModelFactory, arch: str,
+                                                              enforce_eager: bool) -> None:
+    # one request alone: every decode step is one token, where the norms, the projections and SiLU-and-mul
+    # run as the fused GEMV kernels (engine/kernels/gemv.py); qwen2 adds the qkv bias
+    model = tiny_model(arch)
+    llm = LLM(model=str(model), dtype="float32", enforce_eager=enforce_eager, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for prompt in prompts_of((1, 23)):
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(model, [prompt], 16)[0]
+
+
 def test_gpu_bfloat16_agrees_on_the_first_tokens(tiny_model: TinyModelFactory) -> None:
     model = tiny_model("llama")
     prompts = prompts_of((9, 33))
