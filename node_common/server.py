@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 
 from engine.async_engine import AsyncEngine
 from node_common.health import NodeHealth
+from node_common.metrics import serve_node_metrics
 from node_common.registrar import registration
 from node_common.tls import TLSFileError, server_credentials
 from wire import NodeIdentity, Role
@@ -244,6 +245,9 @@ def run_node(args: Any, engine: AsyncEngine, identity: NodeIdentity,
 
     async def run() -> None:
         async with registration(args, engine, identity) as registrar:
+            if getattr(args, "metrics_port", None):
+                incarnation = registrar.identity.incarnation if registrar is not None else identity.incarnation
+                serve_node_metrics(args.host, args.metrics_port, identity, incarnation)
             health = NodeHealth(engine, SERVICE_NAMES[identity.role], lambda: transfer_open[0], registrar)
             # on SIGTERM the node is marked draining in the registry first, so the proxy stops choosing it
             await serve(engine, add_services, args.host, args.port, stop,

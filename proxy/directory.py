@@ -81,6 +81,8 @@ class NodeView:
     registered: bool = False  # described by the registry (else a static address)
     healthy: bool = True
     updated_at: float = 0.0  # registered: unix time of its record's last write (its last heartbeat)
+    kv_backend: str = ""  # registered: its KV transfer backend ("" for a static node: not known)
+    pod_uid: str = ""  # registered on Kubernetes: the pod that runs it
 
 
 class NodeDirectory:
@@ -289,7 +291,8 @@ class NodeDirectory:
                             f"and another seed or size than this proxy (--block-size {self.block_size}, "
                             f"--hash-seed): routing it by load only")
         return NodeView(record.address, record.role, record.node_id, record.layout_hash, record.capacity,
-                         record.load, record.draining, prefix_aware, registered=True, updated_at=record.updated_at)
+                         record.load, record.draining, prefix_aware, registered=True, updated_at=record.updated_at,
+                        kv_backend=record.kv_backend, pod_uid=record.pod_uid)
 
     # ---- KV events ----
     async def _stream_tail(self) -> str:

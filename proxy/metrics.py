@@ -14,7 +14,8 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
 - per node (`node_id`, `role` labels), from the nodes' Stats on each scrape: kv_cache_usage_perc,
   num_requests_waiting, node_num_requests_running, prefix_cache_queries_total / _hits_total (tokens),
   prefill_leases_expired_total, kv_transfer_failures_total, node_up (0 when Stats failed) and
-  node_heartbeat_age_seconds (registered nodes); num_nodes{role}: how many nodes the proxy sees.
+  node_heartbeat_age_seconds (registered nodes), num_queued_prefill_tokens, node_info{kv_backend, pod_uid} (1);
+  num_nodes{role}: how many nodes the proxy sees.
 
 Each app gets a private CollectorRegistry, so several apps (tests) can live in one process.
 """
@@ -63,6 +64,8 @@ class NodeSnapshot:
     load: NodeLoad
     stats: NodeStats | None = None  # None: not asked, or no answer (the node's counters are then unknown)
     heartbeat_at: float | None = None  # registered nodes: unix time of the record's last write (node's clock)
+    kv_backend: str = ""
+    pod_uid: str = ""
 
 
 class RequestRecorder:
@@ -198,10 +201,16 @@ class ClusterCollector:
         heartbeat_age = GaugeMetricFamily("tandem:node_heartbeat_age_seconds", "Seconds since a registered node's "
                                           "record was last written (its heartbeat; the node's clock against this "
                                           "proxy's).", labels=labels)
+        # an info metric (value 1): queries join it on node_id for the backend, e.g. transfer bytes by backend
+        info = GaugeMetricFamily("tandem:node_info", "A node's KV backend and pod (1 per node).",
+                                 labels=[*labels, "kv_backend", "pod_uid"])
+        queued = GaugeMetricFamily("tandem:num_queued_prefill_tokens", "Prompt tokens admitted on the node but not "
+                                   "computed yet.", labels=labels)
         now = time.time()
         for node in self.nodes:
             values = [m, node.node_id, node.role.value]
             up.add_metric(values, 1 if node.up else 0)
+            info.add_metric([*values, node.kv_backend, node.pod_uid], 1)
             if node.heartbeat_at is not None:
                 heartbeat_age.add_metric(values, max(0.0, now - node.heartbeat_at))
             s = node.stats
@@ -209,6 +218,7 @@ class ClusterCollector:
             if capacity.total_kv_blocks:  # 0: not known yet
                 usage.add_metric(values, 1 - load.free_kv_blocks / capacity.total_kv_blocks)
             waiting.add_metric(values, load.num_waiting)
+            queued.add_metric(values, load.num_queued_prefill_tokens)
             running.add_metric(values, load.num_running)
             if s is None:
                 continue
@@ -221,8 +231,8 @@ class ClusterCollector:
                 transfer_bytes.add_metric(values, s.kv_transfer_bytes)
                 transfer_seconds.add_metric(values, count_value=s.kv_transfer_count,
                                             sum_value=s.kv_transfer_seconds_sum)
-        yield from (up, heartbeat_age, usage, waiting, running, queries, hits, expired, failures, transfer_bytes,
-                    transfer_seconds)
+        yield from (up, info, heartbeat_age, queued, usage, waiting, running, queries, hits, expired, failures,
+                    transfer_bytes, transfer_seconds)
 
 
     def _attempts(self) -> Iterator[Metric]:
@@ -255,7 +265,7 @@ async def poll_nodes(directory: NodeDirectory, with_stats: bool = True) -> list[
     async def poll(node: NodeView) -> NodeSnapshot:
         stats = await _ask_stats(directory, node) if with_stats else None
         return NodeSnapshot(node.node_id, node.role, node.healthy and not node.draining, node.capacity, node.load,
-                            stats, node.updated_at if node.registered else None)
+                            stats, node.updated_at if node.registered else None, node.kv_backend, node.pod_uid)
 
     return list(await asyncio.gather(*(poll(node) for node in directory.all_nodes())))
 
