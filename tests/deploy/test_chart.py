@@ -222,9 +222,15 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 def test_api_key_and_redis_password_come_from_secrets():
     rendered = render_ci(CHART / "ci" / "external-redis-values.yaml")
-    proxy = _pod_spec(rendered.named("Deployment", "-proxy"))["containers"][0]
+    pod = _pod_spec(rendered.named("Deployment", "-proxy"))
+    proxy = pod["containers"][0]
     env = {e["name"]: e for e in proxy["env"]}
-    assert env["TANDEM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "tandem-api-key", "key": "api-key"}
+    assert "TANDEM_API_KEY" not in env  # a file, not the environment children inherit
+    mount = next(m for m in proxy["volumeMounts"] if m["name"] == "api-key")
+    volume = next(v for v in pod["volumes"] if v["name"] == "api-key")
+    assert volume["secret"]["secretName"] == "tandem-api-key"
+    assert volume["secret"]["items"] == [{"key": "api-key", "path": "api-key"}]
+    assert f"--api-key-file={mount['mountPath']}/api-key" in proxy["args"]
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "platform-redis", "key": "password"}
     assert "--registry=redis://:$(REDIS_PASSWORD)@redis-master.platform.svc:6379/2" in proxy["args"]
 
