@@ -275,3 +275,27 @@ def test_unknown_keys_are_refused_by_the_schema():
 
 def test_rendered_ci_examples_are_cached_per_file():
     assert isinstance(render_ci(CI_VALUES[0]), Rendered)
+
+
+def test_every_schema_key_is_in_values_yaml_and_documented_there():
+    """values.yaml is the documentation: a key the schema accepts but values.yaml lacks is a key nobody can find
+    (the other way round, the schema's additionalProperties: false refuses values.yaml's own undeclared keys)."""
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def walk(node: dict[str, Any], value: Any, path: str) -> list[str]:
+        node = schema["definitions"][node["$ref"].rsplit("/", 1)[1]] if "$ref" in node else node
+        if node.get("additionalProperties") is not False:
+            return []  # a free-form map (labels, resources): its keys are the user's
+        missing = []
+        for key, child in node["properties"].items():
+            if not isinstance(value, dict) or key not in value:
+                missing.append(f"{path}{key}")
+            else:
+                missing += walk(child, value[key], f"{path}{key}.")
+        return missing
+
+    properties = {k: v for k, v in schema["properties"].items() if k != "global"}
+    assert walk({**schema, "properties": properties}, values, "") == []
