@@ -34,6 +34,7 @@ lint: setup
 	$(VENV)/bin/ruff check $(PACKAGES) tests bench deploy
 	$(VENV)/bin/mypy $(PACKAGES)
 	$(PY) deploy/grafana/generate_dashboard.py --check
+	$(PY) deploy/helm/generate_schema.py --check
 
 # regenerate the gRPC stubs after editing protos/*.proto (a test fails while they are stale)
 protos: setup

@@ -299,3 +299,12 @@ def test_every_schema_key_is_in_values_yaml_and_documented_there():
 
     properties = {k: v for k, v in schema["properties"].items() if k != "global"}
     assert walk({**schema, "properties": properties}, values, "") == []
+
+
+def test_the_committed_schema_is_what_its_generator_writes():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(CHART.parent / "generate_schema.py"), "--check"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
