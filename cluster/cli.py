@@ -2,12 +2,13 @@
 
     tandem serve [--model PATH] [--prefill-nodes N] [--decode-nodes M] ... [--config FILE]
     tandem status [--json]
-    tandem scale [--prefill N] [--decode M]
+    tandem scale [--prefill N] [--decode M] [--kubernetes --namespace NS --release R]
     tandem bench serve|compare|plot ...    (benchmark/cli.py)
 
 `status` and `scale` talk to the admin API of the cluster `tandem serve` runs on this machine (its address and
 token are in the state file, see cluster/state.py); --admin-url and --token (or TANDEM_ADMIN_URL and
-TANDEM_ADMIN_TOKEN) reach another one.
+TANDEM_ADMIN_TOKEN) reach another one. `scale --kubernetes` resizes a Helm release's pools instead
+(cluster/kubernetes.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     status_parser = commands.add_parser("status", help="pool sizes of the running cluster")
     status_parser.add_argument("--json", action="store_true", help="print the admin API's JSON")
     scale_parser = commands.add_parser("scale", help="resize the pools (removed nodes drain first)")
-    scale_parser.add_argument("--prefill", type=int, default=None, help="desired prefill nodes")
-    scale_parser.add_argument("--decode", type=int, default=None, help="desired decode nodes")
+    scale_parser.add_argument("--prefill", type=_pool_size, default=None,
+                              help="desired prefill nodes (with --kubernetes, `auto` hands the pool back to KEDA)")
+    scale_parser.add_argument("--decode", type=_pool_size, default=None, help="desired decode nodes (or `auto`)")
+    kubernetes = scale_parser.add_argument_group("Kubernetes (a release of deploy/helm/tandem)")
+    kubernetes.add_argument("--kubernetes", action="store_true",
+                            help="resize the pools of a Helm release on Kubernetes instead of a local cluster")
+    kubernetes.add_argument("--namespace", default="default", help="the release's namespace")
+    kubernetes.add_argument("--release", default="tandem", help="the Helm release's name")
+    kubernetes.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG or ~/.kube/config, else the "
+                                                                "in-cluster service account")
+    kubernetes.add_argument("--context", default=None, help="the kubeconfig context (default: its current one)")
     for sub in (status_parser, scale_parser):
         sub.add_argument("--admin-url", default=environment.admin_url(),
                          help="admin API of a remote cluster (default: the local one's, from its state file)")
@@ -91,14 +101,45 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool_size(text: str) -> int | str:
+    if text == AUTO:
+        return text
+    try:
+        size = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of nodes or {AUTO!r}, got {text!r}") from None
+    if size < 0:
+        raise argparse.ArgumentTypeError(f"a number of nodes is at least 0, got {size}")
+    return size
+
+
+AUTO = "auto"
+
+
 def _scale(args: argparse.Namespace) -> int:
     sizes = {role: size for role, size in (("prefill", args.prefill), ("decode", args.decode)) if size is not None}
     if not sizes:
         raise CLIError("give --prefill N and/or --decode M")
+    if args.kubernetes:
+        return _scale_kubernetes(args, sizes)
+    if AUTO in sizes.values():
+        raise CLIError("`auto` (hand the pool back to KEDA) needs --kubernetes")
     body = _admin(args, "POST", "/scale", sizes)
     pools = body["pools"]
     print(", ".join(f"{role}: {pools[role]['ready']} ready, {pools[role]['desired']} desired" for role in pools)
           + "  (see `tandem status`)")
+    return 0
+
+
+def _scale_kubernetes(args: argparse.Namespace, sizes: dict[str, int | str]) -> int:
+    from cluster.kubernetes import KubernetesPools, KubernetesScaleError
+
+    try:
+        pools = KubernetesPools(args.namespace, args.release, kubeconfig=args.kubeconfig, context=args.context)
+        for role, size in sizes.items():
+            print(pools.scale(role, None if size == AUTO else int(size)).describe())
+    except KubernetesScaleError as e:
+        raise CLIError(str(e)) from None
     return 0
 
 

@@ -15,6 +15,7 @@ from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from node_common.tls import ChannelSecurity, TLSFileError
 from protos import tandem_pb2_grpc
+from settings import env as environment
 from wire import NodeIdentity, Role
 
 
@@ -36,7 +37,7 @@ def main() -> None:
     loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient(prefill_security))
     service = DecodeService(loop, async_engine, name, args.model, args.kv_backend, args.max_logprobs)
     identity = NodeIdentity(name, Role.DECODE, advertised_address(args), args.model, layout_hash, args.kv_backend,
-                            args.hash_seed)
+                            args.hash_seed, pod_uid=environment.pod_uid() or "")
 
     run_node(args, async_engine, identity,
              lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(service, server), connector.close)

@@ -60,6 +60,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                              "or one per core; tandem serve sets it from how its nodes share the machine, see "
                              "cluster/layout.py)")
     parser.add_argument("--log-level", default=environment.log_level())
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve the process's Prometheus metrics on this port (default: none)")
     add_limit_args(parser)  # --max-logprobs
     add_registry_args(parser)
 

@@ -97,7 +97,7 @@ class NodeRegistrar:
         self.draining = False
         self._node_key = node_key(identity.node_id)
         self._kv_key = kv_set_key(identity.node_id)
-        self._registered = asyncio.Event()
+        self._registered = asyncio.Event()  # the record is in Redis (a node's readiness needs it)
         self._seq = 0
         self._capacity: NodeCapacity | None = None
         self._load: NodeLoad | None = None
@@ -105,6 +105,12 @@ class NodeRegistrar:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False  # the loops check it too: redis-py can swallow a cancellation
         self._last_error_log = 0.0
+
+    @property
+    def registered(self) -> bool:
+        """Whether the node's record is in the registry as far as this process knows (a failed write or a
+        refused heartbeat clears it until the node has registered again)."""
+        return self._registered.is_set()
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -196,8 +202,9 @@ class NodeRegistrar:
             pipe.set(self._node_key, self._record().to_json(), px=self.ttl_ms)
             await pipe.execute()
         self._registered.set()
-        logger.info("registered %s (%s at %s) with %d cached blocks", self.identity.node_id,
-                    self.identity.role.value, self.identity.address, len(hashes))
+        logger.info("registered %s (%s at %s, incarnation %d%s) with %d cached blocks", self.identity.node_id,
+                    self.identity.role.value, self.identity.address, self.identity.incarnation,
+                    f", pod {self.identity.pod_uid}" if self.identity.pod_uid else "", len(hashes))
 
     async def _publish_kv_events(self) -> None:
         events = await self.engine.call(lambda e: e.drain_kv_events())
@@ -242,7 +249,8 @@ class NodeRegistrar:
         return NodeRecord(node_id=identity.node_id, role=identity.role, address=identity.address,
                           model=identity.model, layout_hash=identity.layout_hash, kv_backend=identity.kv_backend,
                           incarnation=identity.incarnation, hash_fingerprint=hash_fingerprint(identity.hash_seed),
-                          capacity=self._capacity, load=self._load, draining=self.draining, updated_at=time.time())
+                          capacity=self._capacity, load=self._load, draining=self.draining, updated_at=time.time(),
+                          pod_uid=identity.pod_uid)
 
     def _log_error(self, what: str, error: BaseException) -> None:
         now = time.monotonic()

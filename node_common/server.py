@@ -27,9 +27,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from engine.async_engine import AsyncEngine
+from node_common.health import NodeHealth
+from node_common.metrics import serve_node_metrics
 from node_common.registrar import registration
 from node_common.tls import TLSFileError, server_credentials
-from wire import NodeIdentity
+from wire import NodeIdentity, Role
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+
+
 class InFlightRPCs(grpc.aio.ServerInterceptor):
     """Counts the RPCs being served, streams included, so a drain knows when the last one has finished."""
 
@@ -57,6 +62,8 @@ class InFlightRPCs(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
+        if details.method.startswith(HEALTH_METHOD_PREFIX):
+            return handler  # probes are not work: a health Watch stream must not hold a drain open
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._count_unary(handler.unary_unary), request_deserializer=handler.request_deserializer,
@@ -139,7 +146,7 @@ def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCred
 async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], None], host: str, port: int,
                 on_stop: Callable[[], None], drain: DrainPolicy,
                 on_drain: Callable[[], Awaitable[None]] | None = None,
-                credentials: grpc.ServerCredentials | None = None) -> None:
+                credentials: grpc.ServerCredentials | None = None, health: NodeHealth | None = None) -> None:
     """Serves until SIGTERM/SIGINT, then drains (see the module docstring) and stops. With `credentials` the port
     speaks TLS only (node_common/tls.py).
 
@@ -151,9 +158,13 @@ async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], N
                              options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     add_services(server)
+    if health is not None:
+        health.add_to(server)
     if add_port(server, f"{host}:{port}", credentials) == 0:
         raise SystemExit(f"cannot listen on {host}:{port}")
     engine.start()
+    if health is not None:
+        await health.start()
     await server.start()
     # the line tests and operators wait for
     logger.info("serving on %s:%d%s", host, port, " (TLS)" if credentials is not None else "")
@@ -165,6 +176,8 @@ async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], N
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     await signals.get()
     logger.info("draining: %d RPCs in flight; finishing them before stopping", in_flight.count)
+    if health is not None:
+        await health.drain()
     drained = asyncio.create_task(_drain(engine, in_flight, on_drain, drain))
     second_signal = asyncio.create_task(signals.get())
     done, _ = await asyncio.wait({drained, second_signal}, return_when=asyncio.FIRST_COMPLETED)
@@ -175,6 +188,8 @@ async def serve(engine: AsyncEngine, add_services: Callable[[grpc.aio.Server], N
     else:
         second_signal.cancel()
         grace = drain.grace_s
+    if health is not None:
+        await health.stop()
     await server.stop(grace=grace)
     engine.stop()
     on_stop()
@@ -206,20 +221,38 @@ async def _engine_idle(engine: AsyncEngine) -> bool:
     return await engine.call(lambda e: not e.requests)
 
 
+# the node's gRPC service by role: the name a gRPC health check may ask about (tests compare it with protos)
+SERVICE_NAMES = {Role.PREFILL: "tandem.v1.PrefillService", Role.DECODE: "tandem.v1.DecodeService"}
+
+
 def run_node(args: Any, engine: AsyncEngine, identity: NodeIdentity,
              add_services: Callable[[grpc.aio.Server], None], on_stop: Callable[[], None]) -> None:
-    """Serves a node until SIGTERM/SIGINT, registered in the cluster registry when `--registry` is given."""
+    """Serves a node until SIGTERM/SIGINT, registered in the cluster registry when `--registry` is given.
+
+    `on_stop` closes the KV transfer agent; the caller has registered the KV pool with it before this call (the
+    node's metadata exists), so the agent counts as up until `on_stop` runs (node_common/health.py)."""
 
     try:
         credentials = server_credentials(args.cluster.tls.server)
     except TLSFileError as e:
         raise SystemExit(f"cannot serve TLS: {e}") from None
 
+    transfer_open = [True]
+
+    def stop() -> None:
+        transfer_open[0] = False
+        on_stop()
+
     async def run() -> None:
         async with registration(args, engine, identity) as registrar:
+            if getattr(args, "metrics_port", None):
+                incarnation = registrar.identity.incarnation if registrar is not None else identity.incarnation
+                serve_node_metrics(args.host, args.metrics_port, identity, incarnation)
+            health = NodeHealth(engine, SERVICE_NAMES[identity.role], lambda: transfer_open[0], registrar)
             # on SIGTERM the node is marked draining in the registry first, so the proxy stops choosing it
-            await serve(engine, add_services, args.host, args.port, on_stop,
+            await serve(engine, add_services, args.host, args.port, stop,
                         DrainPolicy(timeout_s=args.cluster.drain_timeout),
-                        on_drain=registrar.set_draining if registrar is not None else None, credentials=credentials)
+                        on_drain=registrar.set_draining if registrar is not None else None, credentials=credentials,
+                        health=health)
 
     asyncio.run(run())

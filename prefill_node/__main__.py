@@ -15,6 +15,7 @@ from node_common.server import run_node, setup_logging
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import PrefillService
 from protos import tandem_pb2_grpc
+from settings import env as environment
 from wire import KVTicket, NodeIdentity, Role
 
 logger = logging.getLogger("prefill_node")
@@ -46,7 +47,7 @@ def main() -> None:
     loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket)
     service = PrefillService(loop, async_engine, layout_hash, args.model, args.kv_backend, args.max_logprobs)
     identity = NodeIdentity(name, Role.PREFILL, address, args.model, layout_hash, args.kv_backend, args.hash_seed,
-                            loop.incarnation)
+                            loop.incarnation, pod_uid=environment.pod_uid() or "")
 
     run_node(args, async_engine, identity,
              lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(service, server), connector.close)

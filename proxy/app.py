@@ -83,6 +83,18 @@ def create_app(state: ProxyState) -> Starlette:
         status = "unavailable" if not ready["decode"] else "ok" if ready["prefill"] else "degraded"
         return JSONResponse({"status": status, "ready_nodes": ready}, status_code=503 if not ready["decode"] else 200)
 
+    async def ready(request: Request) -> Response:
+        # Kubernetes readiness: the proxy serves once its registry answers. Zero nodes is no reason to leave the
+        # Service: the nodes come and go behind it (tandem:num_nodes says how many it sees).
+        await state.pipeline.start()
+        problem = await state.pipeline.directory.registry_problem()
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
     async def metrics(request: Request) -> Response:
         if state.metrics_need_key:  # open by default, as vLLM's: Prometheus scrapes without a key
             try:
@@ -162,7 +174,7 @@ def create_app(state: ProxyState) -> Starlette:
             state.close()
 
     return Starlette(lifespan=lifespan, routes=[
-        Route("/health", health), Route("/metrics", metrics),
+        Route("/health", health), Route("/ready", ready), Route("/live", live), Route("/metrics", metrics),
         Route("/v1/models", models), Route("/v1/models/{model:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/openapi.json", openapi),
@@ -172,7 +184,8 @@ def create_app(state: ProxyState) -> Starlette:
 # ---- the request edge ----
 
 def _authorize(state: ProxyState, request: Request) -> None:
-    """proxy/auth.py: every path but /health and /metrics needs a key, when there are keys."""
+    """proxy/auth.py: every path but the probes (/health, /ready, /live) and /metrics needs a key, when there are
+    keys."""
     if state.api_keys and not state.api_keys.authorizes(request.headers):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})

@@ -80,6 +80,9 @@ class NodeView:
     prefix_aware: bool = False  # its KV events reach the index, hashed with our block size and seed
     registered: bool = False  # described by the registry (else a static address)
     healthy: bool = True
+    updated_at: float = 0.0  # registered: unix time of its record's last write (its last heartbeat)
+    kv_backend: str = ""  # registered: its KV transfer backend ("" for a static node: not known)
+    pod_uid: str = ""  # registered on Kubernetes: the pod that runs it
 
 
 class NodeDirectory:
@@ -154,6 +157,16 @@ class NodeDirectory:
         registered = {n.address: n for n in self._registered.values()}
         return sorted([*registered.values(), *(n for a, n in self._static.items() if a not in registered)],
                       key=lambda n: n.address)
+
+    async def registry_problem(self, timeout_s: float = 2.0) -> str | None:
+        """None when the registry answers a PING (or there is none: static nodes only), else why not."""
+        if self._redis is None:
+            return None
+        try:
+            await asyncio.wait_for(self._redis.ping(), timeout_s)
+        except (RedisError, OSError, TimeoutError) as e:
+            return f"the registry does not answer: {type(e).__name__}"
+        return None
 
     def client(self, node: NodeView) -> NodeClient:
         client = self._clients.get(node.address)
@@ -261,8 +274,9 @@ class NodeDirectory:
                 self._incarnations[node_id] = record.incarnation
                 self.dead.mark_alive(record.address)  # a (re)started node: not the process that failed
                 joined.append(node_id)
-                logger.info("node %s (%s at %s) joined from the registry", node_id, record.role.value,
-                            record.address)
+                logger.info("node %s (%s at %s, incarnation %d%s) joined from the registry", node_id,
+                            record.role.value, record.address, record.incarnation,
+                            f", pod {record.pod_uid}" if record.pod_uid else "")
         if joined:
             await self._rewind_if_stream_reset()
             for node_id in joined:
@@ -277,7 +291,8 @@ class NodeDirectory:
                             f"and another seed or size than this proxy (--block-size {self.block_size}, "
                             f"--hash-seed): routing it by load only")
         return NodeView(record.address, record.role, record.node_id, record.layout_hash, record.capacity,
-                         record.load, record.draining, prefix_aware, registered=True)
+                         record.load, record.draining, prefix_aware, registered=True, updated_at=record.updated_at,
+                        kv_backend=record.kv_backend, pod_uid=record.pod_uid)
 
     # ---- KV events ----
     async def _stream_tail(self) -> str:

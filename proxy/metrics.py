@@ -13,7 +13,9 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
   past_deadline; proxy.migration);
 - per node (`node_id`, `role` labels), from the nodes' Stats on each scrape: kv_cache_usage_perc,
   num_requests_waiting, node_num_requests_running, prefix_cache_queries_total / _hits_total (tokens),
-  prefill_leases_expired_total, kv_transfer_failures_total, and node_up (0 when Stats failed).
+  prefill_leases_expired_total, kv_transfer_failures_total, node_up (0 when Stats failed) and
+  node_heartbeat_age_seconds (registered nodes), num_queued_prefill_tokens, node_info{kv_backend, pod_uid} (1);
+  num_nodes{role}: how many nodes the proxy sees.
 
 Each app gets a private CollectorRegistry, so several apps (tests) can live in one process.
 """
@@ -61,6 +63,9 @@ class NodeSnapshot:
     capacity: NodeCapacity
     load: NodeLoad
     stats: NodeStats | None = None  # None: not asked, or no answer (the node's counters are then unknown)
+    heartbeat_at: float | None = None  # registered nodes: unix time of the record's last write (node's clock)
+    kv_backend: str = ""
+    pod_uid: str = ""
 
 
 class RequestRecorder:
@@ -187,14 +192,33 @@ class ClusterCollector:
                                              labels=labels)
         transfer_seconds = SummaryMetricFamily("tandem:kv_transfer_seconds", "KV pulls, from the READ to the "
                                                "verified checksums.", labels=labels)
+        # per role, 0 included: "no decode node" must be a series with value 0, not a missing one, for alerts
+        num_nodes = GaugeMetricFamily("tandem:num_nodes", "Nodes this proxy sees (registered or listed), by role.",
+                                      labels=["model_name", "role"])
+        for role in Role:
+            num_nodes.add_metric([m, role.value], sum(1 for node in self.nodes if node.role is role))
+        yield num_nodes
+        heartbeat_age = GaugeMetricFamily("tandem:node_heartbeat_age_seconds", "Seconds since a registered node's "
+                                          "record was last written (its heartbeat; the node's clock against this "
+                                          "proxy's).", labels=labels)
+        # an info metric (value 1): queries join it on node_id for the backend, e.g. transfer bytes by backend
+        info = GaugeMetricFamily("tandem:node_info", "A node's KV backend and pod (1 per node).",
+                                 labels=[*labels, "kv_backend", "pod_uid"])
+        queued = GaugeMetricFamily("tandem:num_queued_prefill_tokens", "Prompt tokens admitted on the node but not "
+                                   "computed yet.", labels=labels)
+        now = time.time()
         for node in self.nodes:
             values = [m, node.node_id, node.role.value]
             up.add_metric(values, 1 if node.up else 0)
+            info.add_metric([*values, node.kv_backend, node.pod_uid], 1)
+            if node.heartbeat_at is not None:
+                heartbeat_age.add_metric(values, max(0.0, now - node.heartbeat_at))
             s = node.stats
             capacity, load = (s.capacity, s.load) if s is not None else (node.capacity, node.load)
             if capacity.total_kv_blocks:  # 0: not known yet
                 usage.add_metric(values, 1 - load.free_kv_blocks / capacity.total_kv_blocks)
             waiting.add_metric(values, load.num_waiting)
+            queued.add_metric(values, load.num_queued_prefill_tokens)
             running.add_metric(values, load.num_running)
             if s is None:
                 continue
@@ -207,7 +231,8 @@ class ClusterCollector:
                 transfer_bytes.add_metric(values, s.kv_transfer_bytes)
                 transfer_seconds.add_metric(values, count_value=s.kv_transfer_count,
                                             sum_value=s.kv_transfer_seconds_sum)
-        yield from (up, usage, waiting, running, queries, hits, expired, failures, transfer_bytes, transfer_seconds)
+        yield from (up, info, heartbeat_age, queued, usage, waiting, running, queries, hits, expired, failures,
+                    transfer_bytes, transfer_seconds)
 
 
     def _attempts(self) -> Iterator[Metric]:
@@ -240,7 +265,7 @@ async def poll_nodes(directory: NodeDirectory, with_stats: bool = True) -> list[
     async def poll(node: NodeView) -> NodeSnapshot:
         stats = await _ask_stats(directory, node) if with_stats else None
         return NodeSnapshot(node.node_id, node.role, node.healthy and not node.draining, node.capacity, node.load,
-                            stats)
+                            stats, node.updated_at if node.registered else None, node.kv_backend, node.pod_uid)
 
     return list(await asyncio.gather(*(poll(node) for node in directory.all_nodes())))
 

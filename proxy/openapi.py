@@ -271,6 +271,12 @@ _MODEL: Schema = {
                    "created": {"type": "integer"}, "owned_by": {"type": "string"},
                    "max_model_len": {"type": ["integer", "null"], "minimum": 1}},
 }
+_PROBE: Schema = {
+    "type": "object", "required": ["status"],
+    "properties": {"status": {"type": "string", "enum": ["ok", "unavailable"]},
+                   "reason": {"type": "string", "description": "Why not ready (unavailable only)."}},
+}
+
 _HEALTH: Schema = {
     "type": "object", "required": ["status", "ready_nodes"],
     "properties": {"status": {"type": "string", "enum": ["ok", "degraded", "unavailable"],
@@ -360,6 +366,12 @@ def openapi_schema(api: ServedAPI) -> Schema:
             "/health": {"get": _operation(api, "Health", {
                 "200": _json(_ref("Health"), "A decode node is ready (status ok, or degraded without prefill)."),
                 "503": _json(_ref("Health"), "No decode node is ready (status unavailable).")}, False)},
+            "/ready": {"get": _operation(api, "Readiness", {
+                "200": _json(_ref("Probe"), "The registry answers (or nodes are listed statically): the proxy can "
+                                            "serve, whatever the number of nodes (see tandem:num_nodes)."),
+                "503": _json(_ref("Probe"), "The registry does not answer.")}, False)},
+            "/live": {"get": _operation(api, "Liveness", {
+                "200": _json(_ref("Probe"), "The proxy's event loop answers.")}, False)},
             "/metrics": {"get": _operation(api, "Metrics", {"200": {
                 "description": "Prometheus text exposition.",
                 "content": {"text/plain": {"schema": {"type": "string"}}}},
@@ -376,7 +388,7 @@ def openapi_schema(api: ServedAPI) -> Schema:
             "Model": _MODEL, "ModelList": {"type": "object", "required": ["object", "data"],
                                            "properties": {"object": {"type": "string", "const": "list"},
                                                           "data": {"type": "array", "items": _ref("Model")}}},
-            "Health": _HEALTH,
+            "Health": _HEALTH, "Probe": _PROBE,
         }},
     }
     if api.api_key_required:

@@ -34,6 +34,15 @@ def api_key() -> str | None:
 API_KEY_VAR = "TANDEM_API_KEY"
 
 
+POD_UID_VAR = "TANDEM_POD_UID"
+
+
+def pod_uid() -> str | None:
+    """The Kubernetes pod's UID (the chart sets it from the downward API's `metadata.uid`); None off Kubernetes.
+    A node publishes it in its registry record so a record can be traced to the pod that wrote it."""
+    return os.environ.get(POD_UID_VAR) or None
+
+
 def cache_dir() -> Path:
     """$TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem, else ~/.cache/tandem."""
     if os.environ.get("TANDEM_CACHE_DIR"):

@@ -23,6 +23,9 @@ class NodeIdentity:
     kv_backend: str
     hash_seed: str  # the prefix-hash seed; published only as wire.registry.hash_fingerprint(hash_seed)
     incarnation: int = 0  # changes when the node restarts; 0: drawn at random by the registrar
+    # The Kubernetes pod that runs the node ("" off Kubernetes). Not the incarnation: a container restarted in
+    # its pod (liveness probe, OOM kill) keeps the pod UID but must not honour its previous life's tickets.
+    pod_uid: str = ""
 
 
 @dataclass(frozen=True)

@@ -49,12 +49,13 @@ class NodeRecord:
     model: str
     layout_hash: str  # KV layout identity: a prefill and a decode node pair only when theirs are equal
     kv_backend: str
-    incarnation: int  # changes when the node restarts
+    incarnation: int  # changes when the node's process restarts (tickets carry it: older ones are refused)
     hash_fingerprint: str  # hash_fingerprint(hash seed): prefix hashes are comparable only between equal ones
     capacity: NodeCapacity
     load: NodeLoad
     draining: bool = False  # finishing its requests before it stops: takes no new ones
     updated_at: float = 0.0  # unix time of the write, for operators
+    pod_uid: str = ""  # the Kubernetes pod that wrote it (wire.nodes.NodeIdentity.pod_uid); "" off Kubernetes
 
     def to_json(self) -> str:
         body = asdict(self)

@@ -17,11 +17,15 @@ import grpc
 import httpx
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.hashing import block_hashes
+from node_common.health import LIVENESS_SERVICE
+from node_common.server import SERVICE_NAMES
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from proxy.directory import NodeDirectory
+from tests.deploy.chart import CHART, chart_queries, dashboard_queries, metric_names, render_ci
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 from tests.integration.processes import Process, RedisServer, free_port, start_proxy
 from wire import NodeRecord, Role, node_key
@@ -30,6 +34,7 @@ pytestmark = pytest.mark.integration
 T = TypeVar("T")
 BLOCK_SIZE = 4  # what processes.start_node gives nodes
 HEARTBEAT_S, TTL_S = 0.5, 2.0
+PREFILL_POD_UID = "6f1c2d3e-0000-4000-8000-00000000beef"
 
 
 @dataclass
@@ -60,13 +65,14 @@ class RegistryCluster:
         return directory_of(self.redis)
 
 
-def start_registered_node(role: str, model: Path, registry: str, log_dir: Path) -> Node:
+def start_registered_node(role: str, model: Path, registry: str, log_dir: Path,
+                          env: dict[str, str] | None = None) -> Node:
     port = free_port()
     args = ["--model", str(model), "--dtype", "float32", "--port", str(port), "--kv-backend", "nixl",
             "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--max-num-seqs", "8", "--log-level", "INFO",
             "--node-id", f"node-{port}", "--registry", registry, "--heartbeat-seconds", str(HEARTBEAT_S),
             "--registry-ttl-seconds", str(TTL_S)]
-    return Node(Process(f"{role}_node", args, log_dir), f"127.0.0.1:{port}")
+    return Node(Process(f"{role}_node", args, log_dir, env), f"127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +80,9 @@ def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFacto
     model = tiny_model("llama")
     log_dir = tmp_path_factory.mktemp("registry-logs")
     server = RedisServer(log_dir)
-    nodes = [start_registered_node(role, model, server.url, log_dir) for role in ("prefill", "decode", "decode")]
+    # the prefill node runs as a Kubernetes pod would: with its pod UID from the downward API
+    nodes = [start_registered_node(role, model, server.url, log_dir, {"TANDEM_POD_UID": PREFILL_POD_UID}
+                                   if role == "prefill" else None) for role in ("prefill", "decode", "decode")]
     proxy = None
     try:
         for n in nodes:  # started together: they load at the same time
@@ -113,6 +121,14 @@ async def eventually(condition: Callable[[], bool], timeout: float, what: str) -
             raise TimeoutError(f"not within {timeout} s: {what}")
         await asyncio.sleep(0.05)
     return time.monotonic() - start
+
+
+async def health(address: str, service: str = "") -> int:
+    """The node's answer to the standard gRPC health check (grpc.health.v1), as Kubernetes' probes ask it."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                   timeout=5)
+        return int(response.status)
 
 
 async def stats(address: str, role: Role = Role.DECODE) -> pb.StatsResponse:
@@ -231,6 +247,52 @@ def test_colocated_and_disaggregated_requests_equal_transformers(cluster: Regist
     assert 'tandem:pd_decisions_total{mode="disaggregated"' in metrics
 
 
+def test_nodes_answer_the_standard_grpc_health_check_once_registered(cluster: RegistryCluster) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+
+    async def check() -> None:
+        for node, role in [(cluster.prefill, Role.PREFILL)] + [(d, Role.DECODE) for d in cluster.decodes]:
+            assert await health(node.address) == serving  # ready: engine, transfer agent, registered
+            assert await health(node.address, SERVICE_NAMES[role]) == serving
+            assert await health(node.address, LIVENESS_SERVICE) == serving
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await health(cluster.prefill.address, "no.such.Service")
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(check())
+    assert set(SERVICE_NAMES.values()) == {s.full_name for s in pb.DESCRIPTOR.services_by_name.values()}
+
+
+def test_the_registry_record_carries_the_pod_uid_and_a_per_process_incarnation(cluster: RegistryCluster) -> None:
+    client = redis.Redis.from_url(cluster.redis.url, decode_responses=True)
+    try:
+        prefill = NodeRecord.from_json(str(client.get(node_key(cluster.prefill.node_id))))
+        decode = NodeRecord.from_json(str(client.get(node_key(cluster.decodes[0].node_id))))
+    finally:
+        client.close()
+    assert prefill.pod_uid == PREFILL_POD_UID and decode.pod_uid == ""
+    assert prefill.incarnation > 0 and decode.incarnation > 0 and prefill.incarnation != decode.incarnation
+    metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    assert f'pod_uid="{PREFILL_POD_UID}"' in metrics  # tandem:node_info
+
+
+def test_every_metric_the_chart_and_dashboard_query_is_on_a_live_proxy(cluster: RegistryCluster) -> None:
+    r = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": list(range(800, 890)), "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    samples = [line for line in httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines()
+               if line and not line.startswith("#")]
+    exposed = {line.split("{", 1)[0].split(" ", 1)[0] for line in samples}
+    queries = dashboard_queries() + chart_queries(render_ci(CHART / "ci" / "keda-values.yaml"))
+    used = set().union(*(metric_names(q) for q in queries))
+    assert len(used) >= 12
+    assert used <= exposed, sorted(used - exposed)
+    # how many nodes per role the proxy sees: 1 prefill and 2 decode nodes
+    num_nodes = {line.split('role="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                 for line in samples if line.startswith("tandem:num_nodes{")}
+    assert num_nodes == {"prefill": 1.0, "decode": 2.0}
+
+
 @dataclass
 class LoneNode:
     """A registry of its own with one decode node, for a test that stops or kills the node."""
@@ -285,11 +347,19 @@ def test_a_node_stopped_cleanly_drains_then_deregisters(lone_node: LoneNode) -> 
     async def body(directory: NodeDirectory) -> None:
         await eventually(lambda: node.address in {n.address for n in directory.nodes(Role.DECODE)}, 5.0,
                          "the node in routing")
+        for _ in range(40):  # the health statuses refresh every 0.25 s: the registration may be newer
+            if await health(node.address) == health_pb2.HealthCheckResponse.SERVING:
+                break
+            await asyncio.sleep(0.05)
+        assert await health(node.address) == health_pb2.HealthCheckResponse.SERVING
         os.kill(node.process.popen.pid, signal.SIGTERM)
         await eventually(lambda: node.address not in {n.address for n in directory.nodes(Role.DECODE)}, 2.0,
                          "the draining node out of routing")
         record = NodeRecord.from_json(str(client.get(node_key(node.node_id))))
         assert record.draining  # still registered while it finishes its work, but chosen by no one
+        # Kubernetes sees the same: not ready (no new work), still alive (not restarted while it drains)
+        assert await health(node.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await health(node.address, LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.SERVING
 
     run(body, lone_node)
     node.process.popen.wait(30)
