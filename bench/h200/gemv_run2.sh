@@ -16,3 +16,9 @@ timeout 90 python3 bench/h200/step_profile.py --batches 1 > $OUT/step-profile.lo
 echo "step profile rc=$?"; grep -v Warn $OUT/step-profile.log | tail -24
 timeout 120 python3 bench/h200/mixed_profile.py > $OUT/mixed-profile.log 2>&1
 echo "mixed profile rc=$?"; grep -v Warn $OUT/mixed-profile.log | tail -48
+if [ -d .moe ]; then  # issue 15's MoE kernel figure, from the MoE branch's tree
+  (cd .moe && TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider --no-header \
+     tests/kernels/test_moe.py > $OUT/moe-tests.log 2>&1; echo "moe gpu tests rc=$?"; tail -3 $OUT/moe-tests.log
+   timeout 150 python3 bench/moe_kernel.py --sweep --out $OUT/moe_kernel.json > $OUT/moe.log 2>&1
+   echo "moe bench rc=$?"; tail -30 $OUT/moe.log)
+fi
