@@ -87,6 +87,30 @@ def choice_grammar(choices: Iterable[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
+# keywords whose values are JSON data, not schemas: left as they are
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """`schema` with each string bounded by minLength/maxLength (and no pattern) bounded by a pattern instead.
+
+    xgrammar 0.2.9 compiles a length-bounded string to a bare character class that admits raw control characters
+    (U+0000-U+001F but CR and LF), which JSON forbids: strict parsers refuse such output (xgrammar issue #800,
+    open). Its pattern path builds JSON-string-aware rules, which do not: `^[\\s\\S]{min,max}$` bounds the same
+    number of characters. Neither path can write an escape (\\", \\n) in a bounded string."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _DATA_KEYWORDS else bounded_strings_as_patterns(value) for key, value in schema.items()}
+    kinds = out.get("type")
+    is_string = kinds == "string" or (isinstance(kinds, list) and "string" in kinds)
+    if is_string and "pattern" not in out and ("minLength" in out or "maxLength" in out):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
+    return out
+
+
 class StructuredOutputCompiler:
     """Compiles constraints into xgrammar grammars for one model's vocabulary, caching them by key.
 
@@ -136,7 +160,8 @@ class StructuredOutputCompiler:
         whitespace = {"any_whitespace": not spec.disable_any_whitespace}
         try:
             if spec.json is not None:
-                return compiler.compile_json_schema(spec.json_text, strict_mode=spec.disable_additional_properties,
+                schema = json.dumps(bounded_strings_as_patterns(json.loads(spec.json_text or "")))
+                return compiler.compile_json_schema(schema, strict_mode=spec.disable_additional_properties,
                                                     **whitespace)
             if spec.json_object:
                 return compiler.compile_json_schema('{"type": "object"}', **whitespace)
