@@ -87,6 +87,9 @@ def choice_grammar(choices: Iterable[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
+# what a JSON string may hold unescaped, as code point ranges (no control characters, no surrogates); the
+# astral range as characters: xgrammar's regex has no escape beyond \\uFFFF
+_JSON_STRING_CHARACTERS = "\\u0020-\\ud7ff\\ue000-\\uffff\U00010000-\U0010ffff"
 # keywords whose values are JSON data, not schemas: left as they are
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 
@@ -96,8 +99,10 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
 
     xgrammar 0.2.9 compiles a length-bounded string to a bare character class that admits raw control characters
     (U+0000-U+001F but CR and LF), which JSON forbids: strict parsers refuse such output (xgrammar issue #800,
-    open). Its pattern path builds JSON-string-aware rules, which do not: `^[\\s\\S]{min,max}$` bounds the same
-    number of characters. Neither path can write an escape (\\", \\n) in a bounded string."""
+    open). Its pattern path builds JSON-string-aware rules instead. The class is spelled as code point ranges:
+    xgrammar then admits only well-formed UTF-8 (with `.` or `[\\s\\S]` it lets a byte-level model write overlong
+    sequences and surrogates, which decode to U+FFFD, several per character). Neither path can write an escape
+    (\\", \\n) in a bounded string."""
     if isinstance(schema, list):
         return [bounded_strings_as_patterns(item) for item in schema]
     if not isinstance(schema, dict):
@@ -107,7 +112,7 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     is_string = kinds == "string" or (isinstance(kinds, list) and "string" in kinds)
     if is_string and "pattern" not in out and ("minLength" in out or "maxLength" in out):
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f"^[\\s\\S]{{{low},{high}}}$"
+        out["pattern"] = f"^[{_JSON_STRING_CHARACTERS}]{{{low},{high}}}$"
     return out
 
 
