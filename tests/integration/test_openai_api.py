@@ -250,7 +250,7 @@ def test_choices_regexes_grammars_and_json_objects_match_in_both_routing_modes(c
 def test_answers_to_hypothesis_schemas_validate_in_both_routing_modes(cluster: Cluster, schema: dict[str, Any]
                                                                      ) -> None:
     for mode in MODES:
-        r = clients(cluster)[mode].completions.create(model=cluster.model.name, prompt="JSON:", max_tokens=160,
+        r = clients(cluster)[mode].completions.create(model=cluster.model.name, prompt="JSON:", max_tokens=200,
                                                     temperature=0, extra_body={
                                                         "response_format": json_schema_format(schema), **COMPACT})
         assert r.choices[0].finish_reason == "stop", r.choices[0].text

@@ -117,8 +117,8 @@ def test_sampled_choice_regex_and_grammar_outputs_match_their_constraint(llm: LL
 @given(schema=bounded_schemas(), seed=st.integers(0, 2**31))
 def test_outputs_of_hypothesis_schemas_parse_and_validate(llm: LLM, schema: dict[str, Any], seed: int) -> None:
     spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True, disable_additional_properties=True)
-    greedy, sampled = llm.generate(["JSON:"] * 2, [constrained(spec, 160),
-                                                    constrained(spec, 160, temperature=0.9, seed=seed)])
+    greedy, sampled = llm.generate(["JSON:"] * 2, [constrained(spec, 200),
+                                                    constrained(spec, 200, temperature=0.9, seed=seed)])
     for out in (greedy, sampled):
         assert out.outputs[0].finish_reason is FinishReason.STOP, out.outputs[0].text
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
