@@ -244,7 +244,7 @@ def test_choices_regexes_grammars_and_json_objects_match_in_both_routing_modes(c
     assert answers["disaggregated"] == answers["colocated"]
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True,
           phases=[Phase.explicit, Phase.generate])  # no shrinking: each example costs real generations
 @given(schema=bounded_schemas())
 def test_answers_to_hypothesis_schemas_validate_in_both_routing_modes(cluster: Cluster, schema: dict[str, Any]

@@ -112,7 +112,7 @@ def test_sampled_choice_regex_and_grammar_outputs_match_their_constraint(llm: LL
     assert all(re.fullmatch(r"\([0-9]{1,4}\)|none", text) for text in texts[2::3])
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True,
           phases=[Phase.explicit, Phase.generate])  # no shrinking: each example costs generations
 @given(schema=bounded_schemas(), seed=st.integers(0, 2**31))
 def test_outputs_of_hypothesis_schemas_parse_and_validate(llm: LLM, schema: dict[str, Any], seed: int) -> None:
