@@ -18,10 +18,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine import LLM, FinishReason, SamplingParams
+from engine import LLM, FinishReason, SamplingParams, StructuredOutputsParams
 from engine.sampler import TokenBitmask, apply_token_bitmask
 from engine.structured_output import bitmask_width
-from engine.types import StructuredOutputsParams
 from tests.fixtures.json_schemas import bounded_schemas
 from tests.fixtures.tiny_models import TinyModelFactory, _load_oracle
 
