@@ -5,6 +5,7 @@ constraints are ValueErrors with xgrammar's reason; a continuation's tokens must
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,9 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from engine import LLM, FinishReason, SamplingParams, StructuredOutputsParams
-from engine.sampler import TokenBitmask, apply_token_bitmask
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampler import SampledToken, TokenBitmask, apply_token_bitmask
 from engine.structured_output import bitmask_width
 from tests.fixtures.json_schemas import bounded_schemas
 from tests.fixtures.tiny_models import TinyModelFactory, _load_oracle
@@ -167,3 +170,29 @@ def test_a_continuation_and_a_handed_off_first_token_must_follow_the_grammar(llm
     with pytest.raises(ValueError, match="does not follow"):
         engine.validate_first_token(request, tokenizer.encode("x")[0])
     engine.validate_first_token(request, tokenizer.encode("no")[0])
+
+
+def test_a_request_handed_from_a_prefill_engine_follows_the_grammar_of_a_colocated_one(llm: LLM, model: Path) -> None:
+    """The decode node's path in the engine (decode_node/loop.py does the same around a transfer): P samples the
+    first token under the grammar, D's grammar is first advanced by it, then D decodes the rest."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    prompt = tokenizer.encode("A pet: ")
+    params = constrained(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    colocated = llm.generate([prompt], params)[0].outputs[0].token_ids
+    prefill = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, async_scheduling=False))
+    prefill.add_request("p", prompt, dataclasses.replace(params, max_tokens=1), pin_blocks=True)
+    (first,) = [out for _ in range(4) for out in prefill.step()]
+    pinned = prefill.pinned_blocks("p")
+    assert pinned is not None
+    decode = llm.engine
+    request = decode.make_request("d", prompt, params)
+    decode.validate_first_token(request, first.token_id)
+    blocks = decode.reserve_remote_kv(request)
+    assert blocks is not None
+    skip = blocks.num_cached_blocks  # D's own prefix hits (the colocated run left them)
+    decode.kv_cache[blocks.block_ids[skip:]] = prefill.kv_cache[list(pinned.block_ids[skip:])]  # the "transfer"
+    tokens = [first.token_id]
+    if not decode.admit_remote_kv("d", SampledToken(first.token_id)).finished:
+        while decode.has_unfinished():
+            tokens += [out.token_id for out in decode.step()]
+    assert tokens == colocated
