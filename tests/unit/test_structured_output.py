@@ -81,10 +81,17 @@ def test_the_sampler_masks_exactly_what_xgrammar_masks() -> None:
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])  # unconstrained rows untouched
 
 
-def test_greedy_json_and_regex_outputs_equal_transformers_under_the_same_grammar(llm: LLM, model: Path) -> None:
+@pytest.fixture(scope="module")
+def compiler(model: Path) -> Any:
+    """The oracle's own xgrammar compiler for the tiny model's tokenizer (EOS 0)."""
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[0])
-    compiler = xgr.GrammarCompiler(info)
+    return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer),
+                                                                  stop_token_ids=[0]))
+
+
+def test_greedy_json_and_regex_outputs_equal_transformers_under_the_same_grammar(llm: LLM, model: Path,
+                                                                                compiler: Any) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
     specs = [(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
               compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, strict_mode=False)),
              (StructuredOutputsParams(regex=r"[a-z]{2,4}-[0-9]{2}"), compiler.compile_regex(r"[a-z]{2,4}-[0-9]{2}"))]
@@ -172,13 +179,17 @@ def test_a_continuation_and_a_handed_off_first_token_must_follow_the_grammar(llm
     engine.validate_first_token(request, tokenizer.encode("no")[0])
 
 
-def test_a_request_handed_from_a_prefill_engine_follows_the_grammar_of_a_colocated_one(llm: LLM, model: Path) -> None:
+def test_a_request_handed_from_a_prefill_engine_follows_the_grammar_of_a_colocated_one(llm: LLM, model: Path,
+                                                                                      compiler: Any) -> None:
     """The decode node's path in the engine (decode_node/loop.py does the same around a transfer): P samples the
     first token under the grammar, D's grammar is first advanced by it, then D decodes the rest."""
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     prompt = tokenizer.encode("A pet: ")
     params = constrained(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    expected = xgrammar_greedy(model, prompt, compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False,
+                                                                           strict_mode=False), 64)
     colocated = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert colocated == expected
     prefill = LLMEngine(EngineConfig(model=str(model), dtype="float32", block_size=4, async_scheduling=False))
     prefill.add_request("p", prompt, dataclasses.replace(params, max_tokens=1), pin_blocks=True)
     (first,) = [out for _ in range(4) for out in prefill.step()]
@@ -195,4 +206,4 @@ def test_a_request_handed_from_a_prefill_engine_follows_the_grammar_of_a_colocat
     if not decode.admit_remote_kv("d", SampledToken(first.token_id)).finished:
         while decode.has_unfinished():
             tokens += [out.token_id for out in decode.step()]
-    assert tokens == colocated
+    assert tokens == expected
