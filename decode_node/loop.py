@@ -12,7 +12,9 @@ A request's life on a decode node (D):
    checksums name: a ticket naming one D does not know is refused before the pull). A failed or corrupt
    transfer aborts the request (freeing the blocks) with a retryable error: never a success with wrong KV.
 5. D releases the ticket on P and admits the request (`admit_remote_kv`: num_computed_tokens = len(prompt),
-   the first token appended): from here it is batched like any other request, and its tokens stream back.
+   the first token appended, and fed to the request's grammar when it has structured output, so that D masks
+   the second token as P's engine would have): from here it is batched like any other request, and its tokens
+   stream back.
 6. A client that goes away, or a deadline that passes, aborts the request and frees its blocks.
 
 A `Generate` without a ticket is a colocated request (the proxy judged prefilling here cheaper than a
@@ -129,6 +131,10 @@ class DecodeLoop:
         # The lease is confirmed on P while D reserves and pulls (the round trip is off the second token's path):
         # blocks pulled under a ticket that turns out not to be live are thrown away with the request, never
         # admitted (their checksums would not match either).
+        try:  # a constrained request's grammar compiles off the engine thread (engine/async_engine.py)
+            await self.engine.compile_structured_output(params)
+        except ValueError as e:
+            raise DecodeError("INVALID_ARGUMENT", str(e)) from e
         lease = _LeaseCheck(asyncio.ensure_future(self.leases.extend(ticket, LEASE_EXTENSION_S)))
         events = self.engine.open_stream(request_id)
         try:
@@ -159,6 +165,10 @@ class DecodeLoop:
                              ) -> AsyncGenerator[DecodeOutput, None]:
         """A colocated request: prefilled here, every token streamed (the first output carries the prefix hit).
         With `output_token_ids`, a continuation: the tokens after them."""
+        try:
+            await self.engine.compile_structured_output(params)
+        except ValueError as e:
+            raise DecodeError("INVALID_ARGUMENT", str(e)) from e
         events = self.engine.open_stream(request_id)
         try:
             try:
@@ -288,9 +298,10 @@ class DecodeLoop:
         made: list[Request] = []
 
         def reserve_and_read(engine: LLMEngine) -> tuple[Request, ReservedBlocks | None, TransferHandle | None]:
-            if not made:  # the request and its first token are checked before anything is pulled
-                engine.validate_token_ids([first_token], "first token id")
-                made.append(engine.make_request(request_id, prompt_token_ids, params))
+            if not made:  # the request and its first token (in its grammar, if any) are checked before any pull
+                request = engine.make_request(request_id, prompt_token_ids, params)
+                engine.validate_first_token(request, first_token)
+                made.append(request)
             blocks = engine.reserve_remote_kv(made[0])
             if blocks is None or blocks.num_cached_blocks == len(blocks.block_ids):
                 return made[0], blocks, None

@@ -3,9 +3,17 @@
 The offline API mirrors vLLM: `from engine import LLM, SamplingParams`.
 """
 
-from engine.types import CompletionOutput, FinishReason, Logprob, RequestOutput, SamplingParams
+from engine.types import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "FinishReason",
+           "Logprob"]
 
 
 def __getattr__(name: str) -> object:

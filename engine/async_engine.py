@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
-from engine.types import StepOutput
+from engine.types import SamplingParams, StepOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,6 +77,14 @@ class AsyncEngine:
             raise RuntimeError(f"the engine thread has stopped: {self.error!r}")
         self._commands.put(run)
         return await future
+
+    async def compile_structured_output(self, params: SamplingParams) -> None:
+        """Compiles a constrained request's grammar (params.structured_outputs) into the engine's cache on a worker
+        thread, so that adding the request on the engine thread finds it compiled: a compile can take a second with
+        a big vocabulary, which would stall every running request there. ValueError with the reason when it does
+        not compile. The compiler is thread-safe (engine/structured_output.py)."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.structured_outputs.compile, params.structured_outputs)
 
     def open_stream(self, request_id: str) -> asyncio.Queue[StepOutput | StreamEnd]:
         """A queue that receives the request's tokens, or a StreamEnd (aborted, engine dead) so that nobody

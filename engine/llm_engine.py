@@ -16,7 +16,9 @@ and turns them into outputs, while step N+1 runs:
 So step() returns the outputs of the step launched by the call before (same StepOutputs, one call later),
 and a request that an EOS or stop token ends runs one extra step whose token is discarded (length limits are
 known without the token: such a request is not scheduled again). A request with penalties needs its output
-ids to sample: while one is in flight, step() reads that step first (no overlap for that step).
+ids to sample, and a constrained one (structured output) its grammar advanced by its last token: while one is in
+flight, step() reads that step first (no overlap of scheduling for that step). Its grammar's mask is still
+computed while the device runs the step's forward pass (engine/runner.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from engine.runner import ModelRunner
 from engine.sampled_step import SampledStep
 from engine.sampler import SampledToken, has_penalties
 from engine.scheduler import ReservedBlocks, Scheduler, SchedulerOutput
+from engine.structured_output import StructuredOutputCompiler
 from engine.tokenizer import load_tokenizer
 from engine.types import SamplingParams, StepOutput
 
@@ -97,6 +100,8 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         # a request can never hold more tokens than the context or the whole pool
         self.max_tokens_per_request = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)
+        self.structured_outputs = StructuredOutputCompiler(self.model_config.path, self.model_config.vocab_size,
+                                                           self.model_config.eos_token_ids, self.tokenizer)
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -139,9 +144,22 @@ class LLMEngine:
                              f"{params.max_tokens}: nothing is left to generate")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         eos = frozenset() if params.ignore_eos else self.model_config.eos_token_ids
-        return Request(request_id, token_ids, params, eos_token_ids=eos, seed=seed,
-                       max_num_tokens=self.max_tokens_per_request, pin_blocks=pin_blocks,
-                       token_ids=[*token_ids, *output])
+        request = Request(request_id, token_ids, params, eos_token_ids=eos, seed=seed,
+                          max_num_tokens=self.max_tokens_per_request, pin_blocks=pin_blocks,
+                          token_ids=[*token_ids, *output])
+        if params.structured_outputs is not None:
+            request.grammar = self.structured_outputs.grammar(params.structured_outputs)
+            for token_id in output:  # a continuation: its grammar stands where the interrupted request's stood
+                if not request.grammar.accept(token_id) or request.grammar.is_terminated:
+                    raise ValueError(f"output token id {token_id} does not follow the request's structured output")
+        return request
+
+    def validate_first_token(self, request: Request, token_id: int) -> None:
+        """ValueError unless `token_id` may be the first token of a made request (in the vocabulary, and allowed
+        by its grammar): a decode node checks the token a prefill node sampled before pulling anything."""
+        self.validate_token_ids([token_id], "first token id")
+        if request.grammar is not None and not request.grammar.allows(token_id, self.model_config.vocab_size):
+            raise ValueError(f"first token id {token_id} does not follow the request's structured output")
 
     def validate_token_ids(self, token_ids: Sequence[int], what: str) -> None:
         """ValueError naming the first of `token_ids` (`what`: "prompt token id", ...) outside the vocabulary: a
@@ -235,7 +253,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
-            needs_output_ids = any(item.samples and has_penalties(item.request.params) for item in batch.scheduled)
+            needs_output_ids = any(item.samples and (has_penalties(item.request.params)
+                                                     or item.request.grammar is not None)
+                                   for item in batch.scheduled)
             launched = InFlightStep(batch, self.runner.execute(batch), needs_output_ids)
         # the device runs `launched` meanwhile
         outputs += self._read_in_flight()

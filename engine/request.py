@@ -20,10 +20,17 @@ the scheduler, so `abort()` frees them like any other request.
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.hashing import BlockHash
 from engine.types import FinishReason, SamplingParams
+
+if TYPE_CHECKING:  # xgrammar (and torch) only where a request is constrained
+    from engine.structured_output import Grammar
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -87,6 +94,8 @@ class Request:
     # tokens that scheduled steps sample (or have sampled) whose ids the host has not read yet: one per step
     # scheduled and not yet processed, so at most two (the step in flight and the one being launched)
     num_pending_tokens: int = 0
+    # params.structured_outputs' matcher, advanced by every appended token (the engine makes it)
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -124,10 +133,12 @@ class Request:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Appends a sampled token; returns why that finishes the request, or None to keep going.
 
-        Token-level stops only (EOS, stop token ids, max_tokens, the context): stop strings are text, and
-        text is the output processor's (engine/output_processor.py)."""
+        Token-level stops only (EOS, stop token ids, max_tokens, the context, the grammar's end): stop strings are
+        text, and text is the output processor's (engine/output_processor.py)."""
         self.token_ids.append(token_id)
         params = self.params
+        if self.grammar is not None and not self._advance_grammar(token_id):
+            return FinishReason.STOP
         if self.num_output_tokens >= params.min_tokens and (
                 token_id in self.eos_token_ids or token_id in (params.stop_token_ids or ())):
             self.stop_token_id = None if token_id in self.eos_token_ids else token_id
@@ -136,3 +147,13 @@ class Request:
                 params.max_tokens is not None and self.num_output_tokens >= params.max_tokens):
             return FinishReason.LENGTH
         return None
+
+    def _advance_grammar(self, token_id: int) -> bool:
+        """Feeds the token to the grammar; False when that ends the request: the grammar reached its end (it
+        accepted an EOS, which it allows only there), or refused the token. The sampler masks every token the
+        grammar refuses, so a refusal means a broken invariant: the request stops rather than go on outside it."""
+        assert self.grammar is not None
+        if not self.grammar.accept(token_id):
+            logger.error("request %s: its grammar refused token %d; stopping it", self.request_id, token_id)
+            return False
+        return not self.grammar.is_terminated

@@ -21,7 +21,7 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAt
 from engine.model.loader import build_model
 from engine.profile_run import allocate_kv_pool, profile_step_bytes
 from engine.sampled_step import SampledStep
-from engine.sampler import Sampler, SamplingRow, noise_seed, to_device
+from engine.sampler import Sampler, SamplingRow, TokenBitmask, noise_seed, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,8 @@ class ModelRunner:
                 hidden = hidden[sample_rows]
             logits = self.model.compute_logits(hidden)
         rows = [self._sampling_row(item) for item in sampling]
-        samples = self.sampler.sample(logits, rows)
+        # the forward pass is launched: the host fills the grammars' masks while the device computes it
+        samples = self.sampler.sample(logits, rows, self._token_bitmask(sampling))
         self.last_sampled = SampledStep([item.request.request_id for item in sampling], samples)
         return self.last_sampled
 
@@ -201,6 +202,20 @@ class ModelRunner:
             sliding_window=self.sliding_window,
         )
         return ids_d, positions_d, meta, sample_rows_d
+
+    def _token_bitmask(self, sampling: Sequence[ScheduledRequest]) -> TokenBitmask | None:
+        """The masks of the constrained rows (structured output), None when there are none."""
+        constrained = [(row, item.request.grammar) for row, item in enumerate(sampling)
+                       if item.request.grammar is not None]
+        if not constrained:
+            return None
+        # a grammar's state is that of the tokens on the host: the engine never leaves one pending (llm_engine.py)
+        assert all(sampling[row].num_pending_before == 0 for row, _ in constrained), (
+            "a constrained row has a pending token")
+        from engine.structured_output import fill_token_bitmask  # torch only: xgrammar stays in the matchers
+
+        bitmask = fill_token_bitmask([grammar for _, grammar in constrained], self.model_cfg.vocab_size)
+        return TokenBitmask([row for row, _ in constrained], bitmask)
 
     @staticmethod
     def _sampling_row(item: ScheduledRequest) -> SamplingRow:

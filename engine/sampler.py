@@ -1,6 +1,8 @@
 """Turns one step's logits into next tokens, with vLLM v1's semantics.
 
 For each row, in order:
+ 0. structured output: the tokens the row's grammar refuses are set to -inf (a packed bitmask the runner filled
+    on the CPU: engine/structured_output.py), before anything else, logprobs included, as in vLLM;
  1. logprobs, when asked, come from the raw logits (log_softmax before any processing), as vLLM's default
     `raw_logprobs` mode; they are gathered after sampling but never see the steps below;
  2. min_tokens: eos and stop_token_ids are set to -inf while the output is shorter than min_tokens;
@@ -83,6 +85,15 @@ class SamplerOutput:
     logprobs: LogprobTensors | None  # None when no row asked
 
 
+@dataclass(frozen=True)
+class TokenBitmask:
+    """The allowed tokens of the step's constrained rows: bit t of bitmask[i] (32 tokens a word) allows token t
+    in row rows[i]."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, on the host until sample() copies it over
+
+
 @dataclass
 class SampledToken:
     token_id: int
@@ -116,7 +127,8 @@ class Sampler:
         out = self.sample(logits, rows)
         return sampled_tokens(out.token_ids.tolist(), out.logprobs)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+               token_bitmask: TokenBitmask | None = None) -> SamplerOutput:
         """Samples without reading anything back: every host-side input goes to the device in non-blocking
         copies, so the host can run ahead of the device."""
         # logits: [num_rows, vocab], any float dtype; never modified.
@@ -125,6 +137,8 @@ class Sampler:
         )
         if not rows:
             return SamplerOutput(torch.empty(0, dtype=torch.long, device=logits.device), None)
+        if token_bitmask is not None and token_bitmask.rows:
+            logits = apply_token_bitmask(logits, token_bitmask)
         processed = process_logits(logits, rows)
         greedy_rows = [i for i, row in enumerate(rows) if row.params.greedy]
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -161,6 +175,23 @@ def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[float]
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, token_bitmask: TokenBitmask) -> torch.Tensor:
+    """A copy of `logits` with every token a constrained row's bitmask refuses at -inf. Unpacked with shifts on
+    the logits' device, in one copy of the bitmask there: no kernel of its own and no read back."""
+    vocab_size = logits.shape[1]
+    bitmask = token_bitmask.bitmask
+    if logits.device.type == "cuda" and not bitmask.is_pinned():
+        bitmask = bitmask.pin_memory()
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    # bit j of word w is token 32 * w + j; [num_masked, words, 32] -> [num_masked, vocab]
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+    masked = logits.clone()
+    index = to_device(token_bitmask.rows, torch.long, logits.device)
+    masked[index] = masked[index].masked_fill(~allowed, -math.inf)
+    return masked
 
 
 def has_penalties(params: SamplingParams) -> bool:

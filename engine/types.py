@@ -7,8 +7,11 @@ Names follow vLLM's so its users feel at home.
 from __future__ import annotations
 
 import enum
+import json as json_module
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 class FinishReason(enum.Enum):
@@ -18,6 +21,72 @@ class FinishReason(enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's `structured_outputs`): exactly one of a JSON schema
+    (`json`, an object or its JSON text), a regular expression, a list of literal choices, an EBNF grammar
+    (xgrammar's dialect) or any JSON object (`json_object`). Checked here for shape only: whether xgrammar can
+    compile it is known where it is compiled (engine/structured_output.py), which raises ValueError too.
+
+    `disable_any_whitespace`: JSON without whitespace beyond ", " and ": " (otherwise any whitespace may go
+    between tokens, which a weak model can fill forever). `disable_additional_properties`: objects admit no
+    property their schema does not name (what OpenAI's `strict` means)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None  # kept as a tuple
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple):
+                raise ValueError("structured_outputs.choice must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_CONSTRAINTS)}; "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                schema = json_module.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema object")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: json, regex, choice, grammar or json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    @property
+    def json_text(self) -> str | None:
+        """The JSON schema as text (property order kept: it is the order the output follows)."""
+        return self.json if isinstance(self.json, str) or self.json is None else json_module.dumps(self.json)
+
+    def key(self) -> tuple[Any, ...]:
+        """What identifies the compiled grammar (engine/structured_output.py caches by it)."""
+        return (self.kind, self.json_text, self.regex, self.choice, self.grammar, self.disable_any_whitespace,
+                self.disable_additional_properties)
 
 
 @dataclass
@@ -41,6 +110,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs of each sampled position, plus the sampled token's
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +161,8 @@ class SamplingParams:
         assert isinstance(self.stop_token_ids, list)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,8 @@
 A request's life on a prefill node (P):
 1. `Prefill` arrives: the prompt is validated and added to the engine to produce one token, with
    `pin_blocks`: it finishes as FINISHED_PINNED, its K/V blocks kept (engine/request.py has the states).
-2. The engine schedules it like any other (chunked prefill, prefix-cache hits) and samples the first token.
+2. The engine schedules it like any other (chunked prefill, prefix-cache hits) and samples the first token
+   (within the request's grammar, when it has structured output: compiled first, off the engine thread).
 3. If that token already ends the request (EOS, a stop token id, max_tokens=1, the context limit), the
    blocks are freed (`free_pinned`) and no ticket is issued.
 4. Otherwise a lease is recorded and a KV ticket returned: block ids, per-block checksums, this node's
@@ -85,6 +86,10 @@ class PrefillLoop:
         # One token here: min_tokens >= 1 suppresses EOS for the first token exactly as the full request would.
         first_params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1),
                                            stop=[])
+        try:  # a constrained request's grammar compiles off the engine thread (engine/async_engine.py)
+            await self.engine.compile_structured_output(params)
+        except ValueError as e:
+            raise PrefillError("INVALID_ARGUMENT", str(e)) from e
         events = self.engine.open_stream(request_id)
         added = False
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from engine.types import Logprob, PositionLogprobs, SamplingParams
+from engine.types import Logprob, PositionLogprobs, SamplingParams, StructuredOutputsParams
 from protos import tandem_pb2 as pb
 from wire import InvalidTicketError, KVTicket, NodeCapacity, NodeLoad, NodeStats
 
@@ -26,6 +26,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.max_tokens = p.max_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_outputs_to_proto(p.structured_outputs))
     return msg
 
 
@@ -37,7 +39,28 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty, repetition_penalty=msg.repetition_penalty,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, min_tokens=msg.min_tokens,
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        structured_outputs=(structured_outputs_from_proto(msg.structured_outputs)
+                            if msg.HasField("structured_outputs") else None))
+
+
+def structured_outputs_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
+    msg = pb.StructuredOutputs(choice=list(s.choice or ()), json_object=s.json_object,
+                               disable_any_whitespace=s.disable_any_whitespace,
+                               disable_additional_properties=s.disable_additional_properties)
+    for name, value in (("json", s.json_text), ("regex", s.regex), ("grammar", s.grammar)):
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """Raises ValueError (StructuredOutputsParams' own checks) unless exactly one constraint is set."""
+    return StructuredOutputsParams(
+        json=msg.json if msg.HasField("json") else None, regex=msg.regex if msg.HasField("regex") else None,
+        choice=list(msg.choice) or None, grammar=msg.grammar if msg.HasField("grammar") else None,
+        json_object=msg.json_object, disable_any_whitespace=msg.disable_any_whitespace,
+        disable_additional_properties=msg.disable_additional_properties)
 
 
 # ---- a request's deadline ----

@@ -1,7 +1,8 @@
 """The OpenAI request shapes, validated into our types, and the error envelope.
 
 Both endpoints take OpenAI's parameters plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
-repetition_penalty, stop_token_ids, include_stop_str_in_output, skip_special_tokens). Anything malformed
+repetition_penalty, stop_token_ids, include_stop_str_in_output, skip_special_tokens, and structured output:
+response_format, structured_outputs, guided_*, read in proxy/structured_outputs.py). Anything malformed
 becomes an APIError (HTTP 400 with the field in `param`); a parameter we cannot honour yet is refused
 rather than silently ignored.
 """
@@ -164,15 +165,6 @@ def _refuse_if_given(body: dict[str, Any], key: str, kind: type, message: str, p
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     _refuse_if_given(body, "logit_bias", dict, "'logit_bias' is not supported yet")
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind in ("json_object", "json_schema"):
-            raise bad_request(f"response_format type '{kind}' (structured output) is not supported yet; "
-                              "only 'text' is", "response_format", "unsupported_parameter")
-        if kind != "text":
-            raise bad_request("'response_format' must be an object with type 'text', 'json_object' or "
-                              "'json_schema'", "response_format")
 
 
 def _limited_max_tokens(max_tokens: int | None, default: int | None, limits: RequestLimits, param: str
@@ -201,6 +193,10 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
         raise bad_request(f"the number of top logprobs must be in [0, {limits.max_logprobs}] (this server's "
                           f"limit), got {num_top_logprobs}", "top_logprobs" if "top_logprobs" in body else "logprobs")
     _refuse_unsupported(body)
+    # response_format and vLLM's structured_outputs / guided_*; imported here: that module raises our APIError
+    from proxy.structured_outputs import parse_structured_outputs
+
+    structured_outputs = parse_structured_outputs(body)
     stop_token_ids = body.get("stop_token_ids")
     try:
         params = SamplingParams(
@@ -215,7 +211,7 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
             stop_token_ids=None if stop_token_ids is None else _token_ids(stop_token_ids, "stop_token_ids"),
             include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
             ignore_eos=_flag(body, "ignore_eos", False), logprobs=num_top_logprobs,
-            skip_special_tokens=_flag(body, "skip_special_tokens", True))
+            skip_special_tokens=_flag(body, "skip_special_tokens", True), structured_outputs=structured_outputs)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise bad_request(str(e), field) from e

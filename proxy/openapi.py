@@ -18,6 +18,7 @@ from typing import Any
 from engine.types import FinishReason
 from proxy.limits import RequestLimits
 from proxy.openai_api import integer_bounds
+from proxy.structured_outputs import openapi_properties
 
 INT32_MAX = integer_bounds(32)[1]
 INT64_MIN, INT64_MAX = integer_bounds(64)
@@ -107,10 +108,7 @@ def _sampling_properties(api: ServedAPI) -> dict[str, Schema]:
         "stream_options": _nullable({"type": "object", "description": "Only with stream: true.",
                                      "properties": {"include_usage": _flag("A last chunk with the usage.", False)}}),
         "logit_bias": _refused_unless_empty("object", "Token id -> bias."),
-        "response_format": _nullable({
-            "type": "object", "required": ["type"], "description": "Only {\"type\": \"text\"}: structured output "
-                                                                   "(json_object, json_schema) is not supported.",
-            "properties": {"type": {"type": "string", "const": "text"}}}),
+        **openapi_properties(),  # response_format, structured_outputs, guided_*
     }
 
 

@@ -57,7 +57,8 @@ def narrowed(document: dict[str, Any]) -> dict[str, Any]:
     """The served document with small sizes: max_tokens 1..3 and always given (chat has no default), at most two
     choices, strings of at most 8 characters and lists of at most 3 items (2 messages), so that any prompt fits
     the tiny model's context of 256 tokens (a character is at most 4 byte tokens). best_of goes (it must equal n:
-    a rule only a description states), and min_tokens stops at 1 (it must not pass max_tokens)."""
+    a rule only a description states), min_tokens stops at 1 (it must not pass max_tokens), and structured output
+    keeps only its JSON object mode."""
     doc = copy.deepcopy(document)
     schemas = doc["components"]["schemas"]
     for name in ("CompletionRequest", "ChatCompletionRequest", "ChatMessage"):
@@ -73,6 +74,12 @@ def narrowed(document: dict[str, Any]) -> dict[str, Any]:
         properties["n"]["maximum"] = 2
         properties["min_tokens"]["maximum"] = 1
         del properties["best_of"]
+        # structured output: a schema, regex or grammar must also compile (a rule only a description states), and a
+        # random one costs a compile on each node; test_structured_output.py covers them. JSON objects stay.
+        for key in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            del properties[key]
+        properties["response_format"] = {"type": ["object", "null"], "required": ["type"],
+                                          "properties": {"type": {"enum": ["text", "json_object"]}}}
     return doc
 
 

@@ -1,16 +1,23 @@
 """The OpenAI API's answers through the official `openai` SDK against a live cluster: models, chat and
-completions, streaming with usage, n and seeds, logprobs, and the prefix hit in usage. Stop strings and EOS
-text: test_openai_text.py; errors, disconnects and /metrics: test_openai_errors.py."""
+completions, streaming with usage, n and seeds, logprobs, the prefix hit in usage, and structured output in both
+routing modes. Stop strings and EOS text: test_openai_text.py; errors, disconnects and /metrics:
+test_openai_errors.py."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
+import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 from transformers import AutoTokenizer
 
+from tests.fixtures.json_schemas import bounded_schemas
 from tests.fixtures.tiny_models import TinyModelFactory
 from tests.integration.openai_cluster import API_KEY, CHAT, Cluster, running_cluster
 
@@ -154,3 +161,123 @@ def test_a_colocated_request_reports_the_decode_nodes_prefix_hit(cluster: Cluste
     assert second.usage.prompt_tokens_details.cached_tokens == 20  # D's own hit: 5 blocks of 4
     assert second.choices[0].text == first.choices[0].text
     assert second.choices[0].logprobs is not None and len(second.choices[0].logprobs.tokens or []) == 3
+
+
+# ---- structured output, in both routing modes: the open proxy disaggregates every request (P samples the first
+# token within the grammar, D's grammar is first advanced by it); the guarded one runs short prompts on D alone ----
+
+MODES = ("disaggregated", "colocated")
+PET = [{"role": "user", "content": "Describe a pet as JSON."}]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "kind"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 30}, "kind": {"enum": ["cat", "dog"]},
+                         "tags": {"type": "array", "maxItems": 2, "items": {"type": "boolean"}}}}
+# a random tiny model fills free whitespace forever: compact JSON (vLLM's option, sent next to response_format)
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+def clients(cluster: Cluster) -> dict[str, openai.OpenAI]:
+    assert cluster.guarded_url is not None
+    return {"disaggregated": cluster.client(),
+            "colocated": openai.OpenAI(base_url=f"{cluster.guarded_url}/v1", api_key=API_KEY, max_retries=0,
+                                       timeout=60)}
+
+
+def decisions(cluster: Cluster, mode: str) -> float:
+    url = cluster.url if mode == "disaggregated" else cluster.guarded_url
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("tandem:pd_decisions_total{") and f'mode="{mode}"' in line)
+
+
+def json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def test_json_schema_answers_validate_and_agree_in_both_routing_modes(cluster: Cluster) -> None:
+    texts: dict[str, list[str]] = {}
+    for mode in MODES:
+        before = decisions(cluster, mode)
+        client = clients(cluster)[mode]
+        chat = client.chat.completions.create(model=cluster.model.name, messages=PET, max_tokens=80, temperature=0,
+                                              response_format=json_schema_format(SCHEMA), extra_body=COMPACT)
+        completion = client.completions.create(model=cluster.model.name, prompt="A pet:", max_tokens=80,
+                                               temperature=0, extra_body={"guided_json": SCHEMA, **COMPACT})
+        stream = client.chat.completions.create(model=cluster.model.name, messages=PET, max_tokens=80, temperature=0,
+                                                response_format=json_schema_format(SCHEMA), extra_body=COMPACT,
+                                                stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        texts[mode] = [chat.choices[0].message.content or "", completion.choices[0].text, streamed]
+        assert chat.choices[0].finish_reason == completion.choices[0].finish_reason == "stop"
+        for text in texts[mode]:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        assert decisions(cluster, mode) == before + 3  # each request went the way this proxy routes all
+    assert texts["disaggregated"] == texts["colocated"]
+    assert texts["disaggregated"][0] == texts["disaggregated"][2]
+
+
+def test_choices_regexes_grammars_and_json_objects_match_in_both_routing_modes(cluster: Cluster) -> None:
+    choices = ["red", "green", "blue sky"]
+    regex = r"[a-z]{3,5}-[0-9]{2}"
+    answers: dict[str, list[str]] = {}
+    for mode in MODES:
+        client = clients(cluster)[mode]
+        answers[mode] = []
+        for seed in range(3):  # seeded sampling: P's first token and D's rest are what one node samples
+            sampled: dict[str, Any] = {"model": cluster.model.name, "prompt": "Colour:", "max_tokens": 24,
+                                       "temperature": 1.0, "seed": seed}
+            choice = client.completions.create(**sampled, extra_body={"structured_outputs": {"choice": choices}})
+            old_choice = client.completions.create(**sampled, extra_body={"guided_choice": choices})
+            pattern = client.completions.create(**sampled, extra_body={"guided_regex": regex})
+            grammar = client.completions.create(**sampled, extra_body={
+                "structured_outputs": {"grammar": 'root ::= "#" [0-9a-f]{6} | "none"'}})
+            answers[mode] += [r.choices[0].text for r in (choice, old_choice, pattern, grammar)]
+        obj = client.chat.completions.create(model=cluster.model.name, messages=PET, max_tokens=40, temperature=1.0,
+                                             seed=11, response_format={"type": "json_object"}, extra_body=COMPACT)
+        answers[mode].append(obj.choices[0].message.content or "")
+    for mode in MODES:
+        texts = answers[mode]
+        assert all(text in choices for text in texts[0:-1:4] + texts[1:-1:4])
+        assert texts[0:-1:4] == texts[1:-1:4]  # the old name is the same constraint
+        assert all(re.fullmatch(regex, text) for text in texts[2:-1:4])
+        assert all(re.fullmatch(r"#[0-9a-f]{6}|none", text) for text in texts[3:-1:4])
+    assert answers["disaggregated"] == answers["colocated"]
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), database=None, derandomize=True,
+          phases=[Phase.explicit, Phase.generate])  # no shrinking: each example costs real generations
+@given(schema=bounded_schemas())
+def test_answers_to_hypothesis_schemas_validate_in_both_routing_modes(cluster: Cluster, schema: dict[str, Any]
+                                                                     ) -> None:
+    for mode in MODES:
+        r = clients(cluster)[mode].completions.create(model=cluster.model.name, prompt="JSON:", max_tokens=200,
+                                                    temperature=0, extra_body={
+                                                        "response_format": json_schema_format(schema), **COMPACT})
+        assert r.choices[0].finish_reason == "stop", r.choices[0].text
+        jsonschema.validate(json.loads(r.choices[0].text), schema)
+
+
+def test_a_constraint_that_does_not_compile_is_a_400_with_the_reason(cluster: Cluster) -> None:
+    for mode in MODES:
+        client = clients(cluster)[mode]
+        # refused at the proxy: not a JSON schema at all
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=cluster.model.name, messages=PET, max_tokens=8,
+                                           response_format=json_schema_format({"type": "nonsense"}))
+        assert e.value.param == "response_format" and "not a valid JSON schema" in e.value.message
+        # refused by the node that compiles it: xgrammar's own limits
+        for extra, reason in (({"guided_regex": "a(?=b)"}, "Lookahead"),
+                              ({"structured_outputs": {"grammar": "root ::= missing"}}, 'Rule "missing"'),
+                              ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}},
+                               "none")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.completions.create(model=cluster.model.name, prompt="x", max_tokens=8, extra_body=extra)
+            assert reason in e.value.message and e.value.code == "invalid_argument", e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=cluster.model.name, prompt="x", max_tokens=8,
+                                      extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+        assert "only one structured output constraint" in e.value.message
+        # the nodes are fine
+        ok = client.completions.create(model=cluster.model.name, prompt="x", max_tokens=8,
+                                       extra_body={"guided_choice": ["fine"]})
+        assert ok.choices[0].text == "fine"

@@ -50,8 +50,8 @@ def test_bad_requests_get_400_with_the_openai_envelope_and_the_proxy_survives(cl
     assert e.value.type == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=cluster.model.name, messages=CHAT,
-                                       response_format={"type": "json_object"})
-    assert "not supported" in e.value.message and e.value.param == "response_format"
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert "schema" in e.value.message and e.value.param == "response_format"
     bad_bodies: list[Any] = [
         [], "text", {"prompt": ""}, {"prompt": 3}, {"prompt": [[]]}, {"prompt": "x", "max_tokens": "many"},
         {"prompt": "x", "n": 0}, {"prompt": "x", "n": 10_000}, {"prompt": "x", "logprobs": 99},
