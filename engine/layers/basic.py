@@ -40,6 +40,18 @@ class RMSNorm(nn.Module):
         return self.forward(summed), summed
 
 
+def linear(layer: nn.Linear, x: torch.Tensor, fused: bool, silu_mul_input: bool = False) -> torch.Tensor:
+    """layer(x); for one token (a batch-1 decode step) with the GPU kernels on, the GEMV kernel of
+    engine/kernels/gemv.py, which reads the weights closer to the memory bandwidth than cuBLAS does at these
+    shapes. With silu_mul_input, x is [1, 2I] (gate then up) and SiLU-and-mul runs inside the same kernel."""
+    if fused and x.shape[0] == 1:
+        from engine.kernels.gemv import gemv  # needs triton: imported where it runs
+
+        return gemv(x, layer.weight, layer.bias, silu_mul_input=silu_mul_input)
+    assert not silu_mul_input, "SiLU-and-mul fuses into a linear layer only for one token with the GPU kernels"
+    return layer(x)
+
+
 def silu_and_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """gate_up: [T, 2*I] (gate then up) -> [T, I]."""
     if fused:

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.attention import AttentionBackend, AttentionMetadata
-from engine.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.layers.basic import RMSNorm, RotaryEmbedding, linear, silu_and_mul
 
 
 class Attention(nn.Module):
@@ -32,25 +32,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions, kv_cache, meta, backend)
-
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-               meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """The layer from its qkv projection's output on."""
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = x.shape[0]
+        q, k, v = linear(self.qkv_proj, x, self.rotary.fused).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(num_tokens, self.q_size)
-        if self.rotary.fused and num_tokens == 1:
-            from engine.kernels.gemv import gemv  # the GPU kernels need triton: imported where they run
-
-            return gemv(out, self.o_proj.weight, self.o_proj.bias)
-        return self.o_proj(out)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return linear(self.o_proj, out.reshape(num_tokens, self.q_size), self.rotary.fused)
 
 
 class MLP(nn.Module):
@@ -61,7 +52,10 @@ class MLP(nn.Module):
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
+        gate_up = self.gate_up_proj(x)  # cuBLAS reads this wide one at the bandwidth already, even for one token
+        if self.fused and x.shape[0] == 1:
+            return linear(self.down_proj, gate_up, self.fused, silu_mul_input=True)
+        return self.down_proj(silu_and_mul(gate_up, self.fused))
 
 
 class DecoderLayer(nn.Module):
@@ -77,8 +71,6 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream travels beside the layer output so each add fuses into the next norm:
         returns (mlp_out, residual) with the block's output = mlp_out + residual."""
-        if self.mlp.fused and x.shape[0] == 1:
-            return self._forward_one_token(x, residual, positions, kv_cache, meta, backend)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -86,23 +78,6 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, kv_cache, meta, backend)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
-
-    def _forward_one_token(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                           kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                           backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        """A one-token step (a batch-1 decode) on the GPU kernels: there every linear layer is a matrix-vector
-        product bound by reading its weights, and each norm and the SiLU-and-mul ride inside the GEMV that
-        reads their output (engine/kernels/gemv.py): three launches fewer per layer."""
-        from engine.kernels.gemv import gemv, rms_norm_gemv  # the GPU kernels need triton
-
-        attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        qkv, residual = rms_norm_gemv(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        h = attn.attend(qkv, positions, kv_cache, meta, backend)
-        norm = self.post_attention_layernorm
-        gate_up, residual = rms_norm_gemv(h, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                          mlp.gate_up_proj.bias)
-        return gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_mul_input=True), residual
 
 
 class DecoderModel(nn.Module):

@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import reference
-from engine.kernels.gemv import gemv, rms_norm_gemv
+from engine.kernels.gemv import gemv
 from engine.kernels.layers import silu_and_mul
 
 gpu = pytest.mark.gpu
@@ -31,34 +30,6 @@ def test_gemv_matches_float64_math_with_ragged_edges(dtype: torch.dtype, bias: b
     _check(100, 37, dtype, "cpu", bias, silu, block_n=8, block_k=32)
 
 
-def _check_norm(k: int, n: int, dtype: torch.dtype, device: str, with_residual: bool, **config: int) -> None:
-    x = torch.randn(1, k, device=device).to(dtype)
-    residual = torch.randn(1, k, device=device).to(dtype) if with_residual else None
-    norm_weight = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
-    weight = (torch.randn(n, k, device=device) / k ** 0.5).to(dtype)
-    out, residual_out = rms_norm_gemv(x, residual, norm_weight, 1e-5, weight)
-    # the oracle: the reference RMSNorm (rounded as transformers rounds), then float64 math
-    if residual is None:
-        normed, expected_residual = reference.rms_norm(x, norm_weight, 1e-5), x
-    else:
-        normed, expected_residual = reference.rms_norm(x, norm_weight, 1e-5, residual)
-    expected = normed.double() @ weight.double().T
-    if device == "cuda" or dtype == torch.float32:
-        assert torch.equal(residual_out, expected_residual)
-    else:  # the interpreter truncates to bf16 where the GPU rounds
-        torch.testing.assert_close(residual_out, expected_residual, rtol=2 ** -7, atol=0)
-    # the norm's sum of squares is reduced in another order than the reference's: a normed value may land
-    # one unit of the last place away, which the projection then sums over
-    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}[dtype]
-    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_gemv_matches_the_norm_then_float64_math(dtype: torch.dtype, with_residual: bool) -> None:
-    _check_norm(100, 37, dtype, "cpu", with_residual, block_n=8, block_k=32)
-
-
 def test_gemv_refuses_a_batch_or_mismatched_width() -> None:
     with pytest.raises(ValueError, match="gemv shapes"):
         gemv(torch.randn(2, 16), torch.randn(4, 16))
@@ -71,8 +42,3 @@ def test_gemv_refuses_a_batch_or_mismatched_width() -> None:
 def test_gemv_on_gpu_at_llama_8b_shapes(k: int, n: int, silu: bool) -> None:
     _check(k, n, torch.bfloat16, "cuda", False, silu)
 
-
-@gpu
-@pytest.mark.parametrize("n", [6144, 28672])
-def test_rms_norm_gemv_on_gpu_at_llama_8b_shapes(n: int) -> None:
-    _check_norm(4096, n, torch.bfloat16, "cuda", True)
