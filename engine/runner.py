@@ -5,6 +5,10 @@ runs the forward pass and samples.
 from pinned memory, the samples come back in engine/sampled_step.py). A request's input token that the
 last launched step sampled and the host has not read yet is taken from that step's device tensor of
 sampled ids.
+
+A request with speculative drafts (engine/spec_decode/) is a multi-token query over its cached context: it
+runs as a prefill chunk (never in a decode CUDA graph, which takes one query token per sequence) and samples
+at each of its 1 + k positions, each row as the step that would sample that token without speculation.
 """
 
 from __future__ import annotations
@@ -132,6 +136,7 @@ class ModelRunner:
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, sample_rows = self._prepare(items)
         sampling = [item for item in items if item.samples]
+        # a request with drafts has more than one new token: never a decode row, so never in a graph
         if self.graphs is not None and meta.num_decodes == len(items) and self.graphs.bucket(len(items)):
             logits = self.graphs.run(input_ids, positions, meta)  # every decode row samples
         else:
@@ -142,9 +147,10 @@ class ModelRunner:
             if sample_rows.shape[0] < hidden.shape[0]:  # only rows that reach the end of their tokens need logits
                 hidden = hidden[sample_rows]
             logits = self.model.compute_logits(hidden)
-        rows = [self._sampling_row(item) for item in sampling]
+        rows = [row for item in sampling for row in self._sampling_rows(item)]
         samples = self.sampler.sample(logits, rows)
-        self.last_sampled = SampledStep([item.request.request_id for item in sampling], samples)
+        self.last_sampled = SampledStep([item.request.request_id for item in sampling
+                                         for _ in range(1 + len(item.draft_token_ids))], samples)
         return self.last_sampled
 
     def _prepare(self, items: Sequence[ScheduledRequest]
@@ -162,21 +168,26 @@ class ModelRunner:
         for item in items:
             req = item.request
             begin, end = item.start, item.start + item.num_new_tokens
-            input_ids.extend(req.token_ids[begin:end])
-            if len(req.token_ids) < end:  # the last input is pending: it lives on the device
+            num_drafts = len(item.draft_token_ids)
+            known_end = end - num_drafts  # then the drafts, if any
+            input_ids.extend(req.token_ids[begin:known_end])
+            if len(req.token_ids) < known_end:  # the last input is pending: it lives on the device
                 last = self.last_sampled
-                assert end == len(req.token_ids) + 1 and last is not None and req.request_id in last.row_of, (
-                    f"request {req.request_id}: input {end - 1} is neither on the host nor the last step's sample")
+                assert (known_end == len(req.token_ids) + 1 and last is not None
+                        and req.request_id in last.row_of), (
+                    f"request {req.request_id}: input {known_end - 1} is neither on the host nor the last step's "
+                    "sample")
                 pending_rows.append(len(input_ids))
                 pending_sources.append(last.row_of[req.request_id])
                 input_ids.append(0)  # replaced on the device
+            input_ids.extend(item.draft_token_ids)
             positions.extend(range(begin, end))
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
             starts.append(len(input_ids))
             seq_lens.append(end)
-            if item.samples:
-                sample_rows.append(len(input_ids) - 1)
+            if item.samples:  # the known last token's row, then each draft's
+                sample_rows.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
         max_blocks = max(len(item.request.block_ids) for item in items)
         tables = [block for item in items
                   for block in item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids))]
@@ -203,11 +214,18 @@ class ModelRunner:
         return ids_d, positions_d, meta, sample_rows_d
 
     @staticmethod
-    def _sampling_row(item: ScheduledRequest) -> SamplingRow:
+    def _sampling_rows(item: ScheduledRequest) -> list[SamplingRow]:
+        """The step's rows of a request: one, or one per position of its drafts (the sample after draft i-1 is
+        taken as though drafts 0..i-1 were output: the same penalties, min_tokens and noise as the step that
+        would sample it without speculation; engine/spec_decode/verify.py)."""
         req = item.request
         # the tokens sampled before this step, pending ones included: the index of this step's token
         output_index = req.num_output_tokens + item.num_pending_before
-        seed = None if req.params.greedy else noise_seed(req.seed, output_index)
-        return SamplingRow(params=req.params, seed=seed, prompt_token_ids=req.prompt_token_ids,
-                           output_token_ids=req.output_token_ids, eos_token_ids=req.eos_token_ids,
-                           num_pending_output_tokens=item.num_pending_before)
+        output_token_ids = req.output_token_ids
+        rows = []
+        for i in range(1 + len(item.draft_token_ids)):
+            seed = None if req.params.greedy else noise_seed(req.seed, output_index + i)
+            rows.append(SamplingRow(params=req.params, seed=seed, prompt_token_ids=req.prompt_token_ids,
+                                    output_token_ids=output_token_ids + list(item.draft_token_ids[:i]),
+                                    eos_token_ids=req.eos_token_ids, num_pending_output_tokens=item.num_pending_before))
+        return rows
