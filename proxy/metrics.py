@@ -13,7 +13,8 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
   past_deadline; proxy.migration);
 - per node (`node_id`, `role` labels), from the nodes' Stats on each scrape: kv_cache_usage_perc,
   num_requests_waiting, node_num_requests_running, prefix_cache_queries_total / _hits_total (tokens),
-  prefill_leases_expired_total, kv_transfer_failures_total, and node_up (0 when Stats failed).
+  prefill_leases_expired_total, kv_transfer_failures_total, spec_decode_num_drafts_total /
+  _num_draft_tokens_total / _num_accepted_tokens_total (decode nodes), and node_up (0 when Stats failed).
 
 Each app gets a private CollectorRegistry, so several apps (tests) can live in one process.
 """
@@ -187,6 +188,13 @@ class ClusterCollector:
                                              labels=labels)
         transfer_seconds = SummaryMetricFamily("tandem:kv_transfer_seconds", "KV pulls, from the READ to the "
                                                "verified checksums.", labels=labels)
+        # vLLM's speculative-decoding counters; the acceptance rate is accepted / draft tokens
+        drafts = CounterMetricFamily("tandem:spec_decode_num_drafts", "Verification steps of a request with "
+                                     "speculative drafts.", labels=labels)
+        draft_tokens = CounterMetricFamily("tandem:spec_decode_num_draft_tokens", "Speculative draft tokens "
+                                           "proposed.", labels=labels)
+        accepted_tokens = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens", "Speculative draft tokens "
+                                              "the target model accepted.", labels=labels)
         for node in self.nodes:
             values = [m, node.node_id, node.role.value]
             up.add_metric(values, 1 if node.up else 0)
@@ -207,7 +215,11 @@ class ClusterCollector:
                 transfer_bytes.add_metric(values, s.kv_transfer_bytes)
                 transfer_seconds.add_metric(values, count_value=s.kv_transfer_count,
                                             sum_value=s.kv_transfer_seconds_sum)
-        yield from (up, usage, waiting, running, queries, hits, expired, failures, transfer_bytes, transfer_seconds)
+                drafts.add_metric(values, s.spec_decode_num_drafts)
+                draft_tokens.add_metric(values, s.spec_decode_num_draft_tokens)
+                accepted_tokens.add_metric(values, s.spec_decode_num_accepted_tokens)
+        yield from (up, usage, waiting, running, queries, hits, expired, failures, transfer_bytes, transfer_seconds,
+                    drafts, draft_tokens, accepted_tokens)
 
 
     def _attempts(self) -> Iterator[Metric]:

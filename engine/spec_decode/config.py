@@ -62,7 +62,8 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config: 'num_speculative_tokens' is required")
         # vLLM's rule: one bound given sets the other; neither gives both the default
-        lookup_max, lookup_min = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        lookup_max: Any = value.get("prompt_lookup_max")
+        lookup_min: Any = value.get("prompt_lookup_min")
         if lookup_max is None and lookup_min is None:
             lookup_max = lookup_min = DEFAULT_PROMPT_LOOKUP
         elif lookup_min is None:
