@@ -27,6 +27,7 @@ from engine.profile_run import allocate_kv_pool, profile_step_bytes
 from engine.sampled_step import SampledStep
 from engine.sampler import Sampler, SamplingRow, noise_seed, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the loader's temporaries are not the model's
         model_bytes = torch.cuda.memory_reserved(self.device)
+        spec = SpeculativeConfig.parse(cfg.speculative_config)
         activation_bytes = profile_step_bytes(self.model, self.backend, self.model_cfg, self.block_size, self.dtype,
                                               self.device, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                              max_model_len, graph_batch)
+                                              max_model_len, graph_batch,
+                                              samples_per_seq=1 + (spec.num_speculative_tokens if spec else 0))
         free, total = torch.cuda.mem_get_info(self.device)
         plan = plan_gpu_memory(total, cfg.gpu_memory_utilization, model_bytes, activation_bytes, free)
         if plan.kv_cache < self.block_bytes:
