@@ -1,5 +1,5 @@
-"""N-gram speculative decoding vs none: output tokens/s at batch 1 on a code-editing prompt (the prompt holds a code
-file and asks for it back with one small change, so most of the answer is in the prompt).
+"""N-gram speculative decoding vs none: output tokens/s at batch 1 on a code-editing prompt (a code file, then the
+start of its copy with one small change: most of the answer is in the prompt).
 
     python3 bench/spec_decode.py [--real-model /tmp/smollm2-hf] [--output-len 256] [--out FILE]
 
@@ -32,16 +32,15 @@ sys.path.insert(0, str(ROOT))
 
 LLAMA8B_SHAPE_DIR = ROOT / "bench" / "models" / "llama8b-shape"
 CODE_FILE = ROOT / "engine" / "cache" / "kv_cache_manager.py"  # ~1.1k tokens of real Python
-INSTRUCTION = ("Here is a Python file. Repeat the whole file exactly, changing only one thing: rename the method "
-               "`blocks_needed` to `num_blocks_needed` everywhere. Output only the code.\n\n```python\n{code}```")
+# A completion prompt, not a chat turn: a 135M instruct model asked in chat to repeat a file summarises it instead
+# (measured: SmolLM2-135M-Instruct), while a file followed by the start of its edited copy is continued as a copy,
+# as a code-editing assistant's answer mostly is.
+EDIT_PROMPT = ("# {name}\n```python\n{code}```\n\n# {name}, with the method `blocks_needed` renamed to "
+               "`num_blocks_needed`\n```python\n")
 
 
 def code_editing_prompt(tokenizer: Any) -> list[int]:
-    content = INSTRUCTION.format(code=CODE_FILE.read_text())
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-    return list(tokenizer.encode(content))
+    return list(tokenizer.encode(EDIT_PROMPT.format(name=CODE_FILE.name, code=CODE_FILE.read_text())))
 
 
 def run_one(model: str, load_format: str, spec: dict[str, Any] | None, output_len: int) -> dict[str, Any]:
