@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -26,11 +25,14 @@ class NgramProposer:
         if limit <= 0 or num_tokens <= self.prompt_lookup_min:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)
+        # where an earlier n-gram can end: at an earlier copy of the last token, followed by at least one token.
+        # Few positions hold it, so each n checks those candidates only (one pass over the tokens in all).
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
         for n in range(min(self.prompt_lookup_max, num_tokens - 1), self.prompt_lookup_min - 1, -1):
-            # windows start at 0 .. num_tokens - n - 1: earlier than the tail itself, each followed by a token
-            windows = sliding_window_view(tokens[:-1], n)
-            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if starts.size:
-                follow = int(starts[-1]) + n
+            candidates = ends[ends >= n - 1]
+            for back in range(1, n):
+                candidates = candidates[tokens[candidates - back] == tokens[-1 - back]]
+            if candidates.size:
+                follow = int(candidates[-1]) + 1  # the latest occurrence
                 return tokens[follow:follow + limit].tolist()
         return []

@@ -5,6 +5,7 @@ rejected ones."""
 from __future__ import annotations
 
 import argparse
+import random
 
 import pytest
 
@@ -137,3 +138,20 @@ def test_drafts_never_run_past_max_tokens_and_a_stop_among_accepted_ones_ends_th
     outputs = scheduler.update_from_output(step, {"r": [SampledToken(10), SampledToken(11)]})
     assert [(o.token_id, o.finish_reason) for o in outputs] == [(10, FinishReason.STOP)]
     assert request.status.is_finished and scheduler.kv.num_free_blocks == 64
+
+
+def test_the_proposer_agrees_with_a_brute_force_search_on_random_tokens() -> None:
+    def brute_force(token_ids: list[int], lookup_min: int, lookup_max: int, k: int) -> list[int]:
+        for n in range(min(lookup_max, len(token_ids) - 1), lookup_min - 1, -1):
+            for start in range(len(token_ids) - n - 1, -1, -1):  # latest first, each followed by a token
+                if token_ids[start:start + n] == token_ids[-n:]:
+                    return token_ids[start + n:start + n + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(500):
+        token_ids = [rng.randrange(rng.choice([2, 3, 20])) for _ in range(rng.randrange(1, 50))]
+        lookup_min = rng.randrange(1, 4)
+        lookup_max, k = lookup_min + rng.randrange(3), rng.randrange(1, 6)
+        assert (NgramProposer(k, lookup_min, lookup_max).propose(token_ids)
+                == brute_force(token_ids, lookup_min, lookup_max, k)), (token_ids, lookup_min, lookup_max, k)
