@@ -136,7 +136,7 @@ def serve(config: ServeConfig) -> None:
                             gpu_memory_utilization=config.node_gpu_memory_utilization(), bind_loopback=local,
                             num_threads={} if layout is None else {"prefill": layout.prefill_threads,
                                                                    "decode": layout.decode_threads},
-                            extra_args=tuple(shlex.split(config.node_args)), log_dir=str(log_dir))
+                            extra_args=config.node_extra_args(), log_dir=str(log_dir))
         pools = PoolManager(launch, {"prefill": 0, "decode": 0}, startup_timeout_s=config.startup_timeout)
         try:
             pools.scale({"prefill": config.prefill_nodes, "decode": config.decode_nodes})

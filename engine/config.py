@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.spec_decode.config import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -193,6 +195,10 @@ class EngineConfig:
     # EOS or stop token ends its request one step late (the extra token is discarded). None: on for CUDA,
     # off on CPU, where nothing runs concurrently with the host.
     async_scheduling: bool | None = None
+    # vLLM's: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}, as
+    # a dict, a JSON string or a SpeculativeConfig; held as a SpeculativeConfig (engine/spec_decode/). None: off.
+    # Speculative steps run synchronously: it turns async_scheduling off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -217,3 +223,4 @@ class EngineConfig:
               f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
         check(isinstance(self.device, str) and DEVICE_FORM.match(self.device) is not None,
               f"device must be {DEVICE_CHOICES}, got {self.device!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -19,7 +19,8 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         """engine_args are EngineConfig's fields (engine/config.py), with its defaults: dtype,
         max_num_batched_tokens, max_num_seqs, block_size, enable_prefix_caching, num_kv_blocks, seed, device,
-        gpu_memory_utilization (0.9: the fraction of the GPU's memory this engine may use), load_format, ..."""
+        gpu_memory_utilization (0.9: the fraction of the GPU's memory this engine may use), load_format,
+        speculative_config (vLLM's: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}), ..."""
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}  # decode_token's cache, shared by every request's output
@@ -56,6 +57,8 @@ class LLM:
         while engine.has_unfinished():
             for step in engine.step():
                 output = outputs[step.request_id]
+                if output.finished:
+                    continue  # a stop string ended it at an earlier token of this step (accepted drafts)
                 delta = output.update(step.token_id, step.logprobs, step.finish_reason, step.stop_reason)
                 if delta.finished and not step.finished:  # a stop string: the text ended before the tokens
                     engine.abort(step.request_id)

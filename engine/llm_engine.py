@@ -19,6 +19,11 @@ known without the token: such a request is not scheduled again). A request with 
 ids to sample, and a constrained one (structured output) its grammar advanced by its last token: while one is in
 flight, step() reads that step first (no overlap of scheduling for that step). Its grammar's mask is still
 computed while the device runs the step's forward pass (engine/runner.py).
+
+Speculative decoding (config.speculative_config, engine/spec_decode/) runs synchronously: a step's accepted
+drafts decide where the next step starts, so it is planned only once they are read. It turns asynchronous
+scheduling off (logged). A step() then returns one StepOutput per token it appended: several for a request
+whose drafts were accepted. Constrained requests get no drafts.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from engine.runner import ModelRunner
 from engine.sampled_step import SampledStep
 from engine.sampler import SampledToken, has_penalties
 from engine.scheduler import ReservedBlocks, Scheduler, SchedulerOutput
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import NgramProposer
 from engine.structured_output import StructuredOutputCompiler
 from engine.tokenizer import load_tokenizer
 from engine.types import SamplingParams, StepOutput
@@ -79,6 +86,10 @@ class EngineStats:
     num_preemptions: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    # speculative decoding, as vLLM's metrics count it (0 when it is off)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -93,10 +104,18 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, self.model_config, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  cfg.hash_seed)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        spec = SpeculativeConfig.parse(cfg.speculative_config)
+        proposer = None if spec is None else NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                           spec.prompt_lookup_max)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_batched_tokens, cfg.max_num_seqs, proposer)
         self._rng = random.Random(cfg.seed)
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
+        if spec is not None and self.async_scheduling:
+            log = logger.warning if cfg.async_scheduling else logger.info
+            log("speculative decoding (%s, %d tokens) runs synchronously: asynchronous scheduling is off",
+                spec.method, spec.num_speculative_tokens)
+            self.async_scheduling = False
         self._in_flight: InFlightStep | None = None
         # a request can never hold more tokens than the context or the whole pool
         self.max_tokens_per_request = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)
@@ -271,6 +290,7 @@ class LLMEngine:
     # ---- what the engine tells the outside ----
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
+        spec = scheduler.spec_stats
         queued = 0
         for request in (*scheduler.waiting, *scheduler.running):
             to_compute = request.num_tokens_with_pending - request.num_computed_tokens
@@ -282,7 +302,9 @@ class LLMEngine:
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             num_queued_prefill_tokens=queued, prefix_cache_queries=self.kv.num_queried_tokens,
             prefix_cache_hits=self.kv.num_hit_tokens, num_preemptions=scheduler.num_preemptions,
-            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens)
+            max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens)
 
     def enable_kv_events(self) -> None:
         """Starts recording prefix-cache changes. Off by default: offline, nobody would drain them."""

@@ -36,15 +36,16 @@ def allocate_kv_pool(model_cfg: ModelConfig, num_blocks: int, block_size: int, d
 
 def profile_step_bytes(model: LlamaForCausalLM, backend: AttentionBackend, model_cfg: ModelConfig,
                        block_size: int, dtype: torch.dtype, device: torch.device, max_num_batched_tokens: int,
-                       max_num_seqs: int, max_model_len: int, graph_batch: int) -> int:
+                       max_num_seqs: int, max_model_len: int, graph_batch: int, samples_per_seq: int = 1) -> int:
     """The activation reserve: the peak a step allocates beyond the model (and the decode graphs' on top when
     `graph_batch` > 0). Leaves torch's cache empty, so the device's free memory is what the process does not
-    hold."""
+    hold. `samples_per_seq`: rows of logits a sequence may sample in one step (1 + its drafts with speculative
+    decoding)."""
     num_tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
     # one sequence per max_model_len tokens: a single long prompt is the attention kernels' worst case
     seq_lens = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len]
     peak = _measure(model, backend, model_cfg, block_size, dtype, device, [n for n in seq_lens if n],
-                    num_sampled=min(max_num_seqs, num_tokens))
+                    num_sampled=min(max_num_seqs * samples_per_seq, num_tokens))
     if graph_batch > 0:
         peak += _measure(model, backend, model_cfg, block_size, dtype, device, [1] * graph_batch,
                          num_sampled=graph_batch)

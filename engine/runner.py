@@ -5,6 +5,10 @@ runs the forward pass and samples.
 from pinned memory, the samples come back in engine/sampled_step.py). A request's input token that the
 last launched step sampled and the host has not read yet is taken from that step's device tensor of
 sampled ids.
+
+A request with speculative drafts (engine/spec_decode/) is a multi-token query over its cached context: it
+runs as a prefill chunk (never in a decode CUDA graph, which takes one query token per sequence) and samples
+at each of its 1 + k positions, each row as the step that would sample that token without speculation.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from engine.profile_run import allocate_kv_pool, profile_step_bytes
 from engine.sampled_step import SampledStep
 from engine.sampler import Sampler, SamplingRow, TokenBitmask, noise_seed, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +117,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # the loader's temporaries are not the model's
         model_bytes = torch.cuda.memory_reserved(self.device)
+        spec = SpeculativeConfig.parse(cfg.speculative_config)
         activation_bytes = profile_step_bytes(self.model, self.backend, self.model_cfg, self.block_size, self.dtype,
                                               self.device, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                              max_model_len, graph_batch)
+                                              max_model_len, graph_batch,
+                                              samples_per_seq=1 + (spec.num_speculative_tokens if spec else 0))
         free, total = torch.cuda.mem_get_info(self.device)
         plan = plan_gpu_memory(total, cfg.gpu_memory_utilization, model_bytes, activation_bytes, free)
         if plan.kv_cache < self.block_bytes:
@@ -132,6 +139,7 @@ class ModelRunner:
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta, sample_rows = self._prepare(items)
         sampling = [item for item in items if item.samples]
+        # a request with drafts has more than one new token: never a decode row, so never in a graph
         if self.graphs is not None and meta.num_decodes == len(items) and self.graphs.bucket(len(items)):
             logits = self.graphs.run(input_ids, positions, meta)  # every decode row samples
         else:
@@ -142,10 +150,11 @@ class ModelRunner:
             if sample_rows.shape[0] < hidden.shape[0]:  # only rows that reach the end of their tokens need logits
                 hidden = hidden[sample_rows]
             logits = self.model.compute_logits(hidden)
-        rows = [self._sampling_row(item) for item in sampling]
+        rows = [row for item in sampling for row in self._sampling_rows(item)]
         # the forward pass is launched: the host fills the grammars' masks while the device computes it
         samples = self.sampler.sample(logits, rows, self._token_bitmask(sampling))
-        self.last_sampled = SampledStep([item.request.request_id for item in sampling], samples)
+        self.last_sampled = SampledStep([item.request.request_id for item in sampling
+                                         for _ in range(1 + len(item.draft_token_ids))], samples)
         return self.last_sampled
 
     def _prepare(self, items: Sequence[ScheduledRequest]
@@ -163,21 +172,26 @@ class ModelRunner:
         for item in items:
             req = item.request
             begin, end = item.start, item.start + item.num_new_tokens
-            input_ids.extend(req.token_ids[begin:end])
-            if len(req.token_ids) < end:  # the last input is pending: it lives on the device
+            num_drafts = len(item.draft_token_ids)
+            known_end = end - num_drafts  # then the drafts, if any
+            input_ids.extend(req.token_ids[begin:known_end])
+            if len(req.token_ids) < known_end:  # the last input is pending: it lives on the device
                 last = self.last_sampled
-                assert end == len(req.token_ids) + 1 and last is not None and req.request_id in last.row_of, (
-                    f"request {req.request_id}: input {end - 1} is neither on the host nor the last step's sample")
+                assert (known_end == len(req.token_ids) + 1 and last is not None
+                        and req.request_id in last.row_of), (
+                    f"request {req.request_id}: input {known_end - 1} is neither on the host nor the last step's "
+                    "sample")
                 pending_rows.append(len(input_ids))
                 pending_sources.append(last.row_of[req.request_id])
                 input_ids.append(0)  # replaced on the device
+            input_ids.extend(item.draft_token_ids)
             positions.extend(range(begin, end))
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(begin, end))
             starts.append(len(input_ids))
             seq_lens.append(end)
-            if item.samples:
-                sample_rows.append(len(input_ids) - 1)
+            if item.samples:  # the known last token's row, then each draft's
+                sample_rows.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
         max_blocks = max(len(item.request.block_ids) for item in items)
         tables = [block for item in items
                   for block in item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids))]
@@ -205,24 +219,37 @@ class ModelRunner:
 
     def _token_bitmask(self, sampling: Sequence[ScheduledRequest]) -> TokenBitmask | None:
         """The masks of the constrained rows (structured output), None when there are none."""
-        constrained = [(row, item.request.grammar) for row, item in enumerate(sampling)
-                       if item.request.grammar is not None]
+        # a request with drafts has a row per draft position; a constrained one never has drafts (scheduler.py)
+        constrained = []
+        row = 0
+        for item in sampling:
+            if item.request.grammar is not None:
+                # a grammar's state is that of the tokens on the host: the engine never leaves one pending
+                # (llm_engine.py)
+                assert item.num_pending_before == 0 and not item.draft_token_ids, (
+                    "a constrained row has a pending token or drafts")
+                constrained.append((row, item.request.grammar))
+            row += 1 + len(item.draft_token_ids)
         if not constrained:
             return None
-        # a grammar's state is that of the tokens on the host: the engine never leaves one pending (llm_engine.py)
-        assert all(sampling[row].num_pending_before == 0 for row, _ in constrained), (
-            "a constrained row has a pending token")
         from engine.structured_output import fill_token_bitmask  # torch only: xgrammar stays in the matchers
 
         bitmask = fill_token_bitmask([grammar for _, grammar in constrained], self.model_cfg.vocab_size)
         return TokenBitmask([row for row, _ in constrained], bitmask)
 
     @staticmethod
-    def _sampling_row(item: ScheduledRequest) -> SamplingRow:
+    def _sampling_rows(item: ScheduledRequest) -> list[SamplingRow]:
+        """The step's rows of a request: one, or one per position of its drafts (the sample after draft i-1 is
+        taken as though drafts 0..i-1 were output: the same penalties, min_tokens and noise as the step that
+        would sample it without speculation; engine/spec_decode/verify.py)."""
         req = item.request
         # the tokens sampled before this step, pending ones included: the index of this step's token
         output_index = req.num_output_tokens + item.num_pending_before
-        seed = None if req.params.greedy else noise_seed(req.seed, output_index)
-        return SamplingRow(params=req.params, seed=seed, prompt_token_ids=req.prompt_token_ids,
-                           output_token_ids=req.output_token_ids, eos_token_ids=req.eos_token_ids,
-                           num_pending_output_tokens=item.num_pending_before)
+        output_token_ids = req.output_token_ids
+        rows = []
+        for i in range(1 + len(item.draft_token_ids)):
+            seed = None if req.params.greedy else noise_seed(req.seed, output_index + i)
+            rows.append(SamplingRow(params=req.params, seed=seed, prompt_token_ids=req.prompt_token_ids,
+                                    output_token_ids=output_token_ids + list(item.draft_token_ids[:i]),
+                                    eos_token_ids=req.eos_token_ids, num_pending_output_tokens=item.num_pending_before))
+        return rows

@@ -24,7 +24,9 @@ class SampledStep:
     host, which waits for the device only there."""
 
     def __init__(self, request_ids: list[str], out: SamplerOutput) -> None:
+        """request_ids: each row's request, in row order (a request with drafts has consecutive rows)."""
         self.request_ids = request_ids
+        # a request's last row: the sample the next step may take as input (asynchronous scheduling has no drafts)
         self.row_of = {request_id: row for row, request_id in enumerate(request_ids)}
         self.device_token_ids = out.token_ids  # [num_rows] long, where the step ran
         self._host_token_ids = out.token_ids
@@ -49,10 +51,14 @@ class SampledStep:
         if self._ready is not None:
             self._ready.synchronize()
 
-    def tokens(self) -> dict[str, SampledToken]:
-        """The sampled token of each request that sampled, by request id (waits for the step)."""
+    def tokens(self) -> dict[str, list[SampledToken]]:
+        """The sampled tokens of each request that sampled, by request id, in row order: one, or one per position
+        of its drafts (waits for the step)."""
         if not self.request_ids:
             return {}
         self.wait()
-        tokens = sampled_tokens(self._host_token_ids.tolist(), self._host_logprobs)
-        return dict(zip(self.request_ids, tokens, strict=True))
+        tokens: dict[str, list[SampledToken]] = {}
+        for request_id, token in zip(self.request_ids, sampled_tokens(self._host_token_ids.tolist(),
+                                                                        self._host_logprobs), strict=True):
+            tokens.setdefault(request_id, []).append(token)
+        return tokens

@@ -15,17 +15,26 @@ of step N: a step that samples leaves its request a pending token (engine/reques
 takes as input from the device. So a request that step N finishes may run in step N+1 too (its blocks are
 still allocated, its extra token is discarded), except that a request whose pending tokens already reach
 max_tokens or the context is not scheduled again: that stop needs no token id.
+
+Speculative decoding (engine/spec_decode/, synchronous scheduling only): a running request with one token to
+compute is scheduled with the proposer's drafts after it, `num_computed_tokens` counting them. The step samples
+at every one of those positions; `update_from_output()` keeps the drafts the samples confirm, appends them and
+the sample after them (each its own StepOutput, stopping at the first that finishes the request) and takes
+`num_computed_tokens` back over the rejected drafts, whose blocks stay allocated for the tokens to come.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampler import SampledToken
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.verify import SpecDecodeStats, num_accepted_drafts
 from engine.types import FinishReason, StepOutput
 
 
@@ -38,6 +47,9 @@ class ScheduledRequest:
     # the request's tokens sampled by earlier steps whose ids the host had not read when this step was
     # scheduled: they count as output (noise index, min_tokens), and the step's input may be one of them
     num_pending_before: int = 0
+    # speculative tokens after the request's known ones, the last num_new_tokens - 1 of the step's inputs; the
+    # step samples at each of them too, so a request with drafts has 1 + len(draft_token_ids) samples
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -62,8 +74,11 @@ class ReservedBlocks(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 proposer: NgramProposer | None = None) -> None:
         self.kv = kv
+        self.proposer = proposer  # None: no speculative decoding
+        self.spec_stats = SpecDecodeStats()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, Request] = {}  # unfinished ones and FINISHED_PINNED ones, by id
@@ -144,9 +159,15 @@ class Scheduler:
                 index += 1  # its pending token finishes it: it keeps its seat and blocks until then
                 continue
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
-                break  # the request preempted itself: nothing older is left to schedule
-            self._schedule(request, num_new, out)
+            drafts = self._drafts(request, num_new, budget)
+            # drafts are worth no preemption: without blocks for them the request decodes one token
+            if drafts and self.kv.allocate(request, num_new + len(drafts)):
+                num_new += len(drafts)
+            else:
+                drafts = ()
+                if not self._allocate_or_preempt(request, num_new, out):
+                    break  # the request preempted itself: nothing older is left to schedule
+            self._schedule(request, num_new, out, drafts)
             budget -= num_new
             index += 1
         # While anything was preempted, admitting new work would only steal the blocks back.
@@ -170,12 +191,26 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _drafts(self, request: Request, num_new: int, budget: int) -> tuple[int, ...]:
+        """Drafts to verify after the request's one token to compute; none for a prefill chunk, a request whose
+        last token is still on the device, or one that the drafts could not extend (budget, max_tokens, context:
+        a step appends at most 1 + len(drafts) tokens), or a constrained one (structured output: its grammar would
+        need a state per draft position, which the sampler's one mask per request does not have)."""
+        if self.proposer is None or num_new != 1 or request.num_pending_tokens or request.grammar is not None:
+            return ()
+        room = min(budget, request.max_num_tokens - request.num_tokens) - 1
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return tuple(self.proposer.propose(request.token_ids, room)) if room > 0 else ()
+
     @staticmethod
-    def _schedule(request: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _schedule(request: Request, num_new: int, out: SchedulerOutput, drafts: tuple[int, ...] = ()) -> None:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
-        samples = request.num_computed_tokens == request.num_tokens_with_pending
-        out.scheduled.append(ScheduledRequest(request, start, num_new, samples, request.num_pending_tokens))
+        samples = request.num_computed_tokens - len(drafts) == request.num_tokens_with_pending
+        out.scheduled.append(ScheduledRequest(request, start, num_new, samples, request.num_pending_tokens,
+                                              drafts))
         if samples:
             request.num_pending_tokens += 1  # until update_from_output reads it
 
@@ -195,9 +230,11 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[StepOutput]:
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
+                           ) -> list[StepOutput]:
         """Records what the executed step produced: full blocks enter the prefix cache, sampled tokens are
-        appended and may finish their requests."""
+        appended and may finish their requests. `sampled` holds each sampling request's tokens in position order:
+        one, or 1 + its drafts for a request with drafts."""
         outputs = []
         for item in out.scheduled:
             request = item.request
@@ -205,13 +242,34 @@ class Scheduler:
                 request.num_pending_tokens -= 1
             if request.status.is_finished:
                 continue  # aborted while the step ran, or finished by the step before (asynchronous scheduling)
+            if item.draft_token_ids:
+                outputs += self._verify(item, sampled[request.request_id])
+                continue
             if request.status is RequestStatus.RUNNING:
                 # only the K/V this step wrote: a later step may be scheduled (and run) already
                 self.kv.cache_computed_blocks(request, item.start + item.num_new_tokens)
             # else: preempted by the next step's scheduling while this one ran; its token still counts
-            token = sampled.get(request.request_id)
-            if token is not None:
-                outputs.append(self._append(request, token))
+            tokens = sampled.get(request.request_id)
+            if tokens:
+                outputs.append(self._append(request, tokens[0]))
+        return outputs
+
+    def _verify(self, item: ScheduledRequest, tokens: Sequence[SampledToken]) -> list[StepOutput]:
+        """Keeps the drafts the samples confirm and the sample after them (engine/spec_decode/verify.py)."""
+        request, drafts = item.request, item.draft_token_ids
+        num_accepted = num_accepted_drafts(drafts, [token.token_id for token in tokens])
+        self.spec_stats.observe(len(drafts), num_accepted)
+        # the rejected drafts' K/V is not the request's: later steps overwrite it (their blocks stay allocated)
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        if request.status is RequestStatus.RUNNING:
+            # the known token's K/V only: the accepted drafts' blocks are registered by the next step's update,
+            # once they are among the request's tokens (blocks are hashed from token ids)
+            self.kv.cache_computed_blocks(request, item.start + 1)
+        outputs = []
+        for token in tokens[:num_accepted + 1]:
+            outputs.append(self._append(request, token))
+            if outputs[-1].finished:
+                break  # an EOS, stop token or length limit among the kept tokens ends the request there
         return outputs
 
     def _append(self, request: Request, token: SampledToken) -> StepOutput:

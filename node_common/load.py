@@ -25,7 +25,9 @@ def engine_stats(engine: LLMEngine) -> NodeStats:
     """The Stats every node reports; each role adds its own counters (dataclasses.replace)."""
     stats = engine.stats()  # once: it walks the waiting and running requests
     return NodeStats(capacity=_capacity(stats), load=_load(stats), prefix_cache_queries=stats.prefix_cache_queries,
-                     prefix_cache_hits=stats.prefix_cache_hits)
+                     prefix_cache_hits=stats.prefix_cache_hits, spec_decode_num_drafts=stats.spec_decode_num_drafts,
+                     spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
+                     spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens)
 
 
 def _capacity(stats: EngineStats) -> NodeCapacity:

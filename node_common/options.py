@@ -14,6 +14,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from engine.config import ATTENTION_BACKENDS, DEVICE_CHOICES, LOAD_FORMATS, EngineConfig
+from engine.spec_decode.config import SpeculativeConfig
 from node_common.limits import add_limit_args
 from node_common.registrar import add_registry_args
 from settings import ClusterSettings, add_arguments, parse_args_with
@@ -55,6 +56,11 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=engine["async_scheduling"], help="prepare and launch step N+1 while the device "
                         "runs step N (default: on with a GPU, off on CPU, where nothing runs in parallel)")
+    parser.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (decode nodes draft and verify; '
+                             "prefill nodes, whose requests end at their first token, ignore it). It turns "
+                             "--async-scheduling off")
     parser.add_argument("--num-threads", type=int, default=None, metavar="N",
                         help="torch CPU (intra-op) threads of this process (default: torch's, from OMP_NUM_THREADS "
                              "or one per core; tandem serve sets it from how its nodes share the machine, see "
@@ -64,6 +70,15 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                         help="serve the process's Prometheus metrics on this port (default: none)")
     add_limit_args(parser)  # --max-logprobs
     add_registry_args(parser)
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        config = SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    assert config is not None
+    return config
 
 
 def parse_node_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,7 +99,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
         attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        speculative_config=args.speculative_config)
 
 
 def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
@@ -99,7 +115,13 @@ def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
         # explicitly, over OMP_NUM_THREADS: a Ray actor's children inherit Ray's OMP_NUM_THREADS=1
         torch.set_num_threads(args.num_threads)
     try:
-        return LLMEngine(engine_config(args))
+        config = engine_config(args)
+        if role == "prefill" and config.speculative_config is not None:
+            # its requests end at the first token, which no draft precedes: speculation would only cost it
+            # asynchronous scheduling
+            logger.info("prefill node: --speculative-config ignored (speculation runs on decode nodes)")
+            config.speculative_config = None
+        return LLMEngine(config)
     except (ValueError, GpuMemoryError) as e:  # ModelConfigError and DeviceError are ValueErrors
         logger.debug("the engine did not start", exc_info=True)
         raise SystemExit(f"{role} node: cannot start the engine: {e}") from None

@@ -116,7 +116,10 @@ def stats_to_proto(stats: NodeStats) -> pb.StatsResponse:
         prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
         num_pinned_tickets=stats.num_pinned_tickets, num_leases_expired=stats.num_leases_expired,
         num_transfer_failures=stats.num_transfer_failures, kv_transfer_bytes=stats.kv_transfer_bytes,
-        kv_transfer_count=stats.kv_transfer_count, kv_transfer_seconds_sum=stats.kv_transfer_seconds_sum)
+        kv_transfer_count=stats.kv_transfer_count, kv_transfer_seconds_sum=stats.kv_transfer_seconds_sum,
+        spec_decode_num_drafts=stats.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens)
 
 
 def stats_from_proto(msg: pb.StatsResponse) -> NodeStats:
@@ -129,4 +132,7 @@ def stats_from_proto(msg: pb.StatsResponse) -> NodeStats:
         prefix_cache_queries=msg.prefix_cache_queries, prefix_cache_hits=msg.prefix_cache_hits,
         num_pinned_tickets=msg.num_pinned_tickets, num_leases_expired=msg.num_leases_expired,
         num_transfer_failures=msg.num_transfer_failures, kv_transfer_bytes=msg.kv_transfer_bytes,
-        kv_transfer_count=msg.kv_transfer_count, kv_transfer_seconds_sum=msg.kv_transfer_seconds_sum)
+        kv_transfer_count=msg.kv_transfer_count, kv_transfer_seconds_sum=msg.kv_transfer_seconds_sum,
+        spec_decode_num_drafts=msg.spec_decode_num_drafts,
+        spec_decode_num_draft_tokens=msg.spec_decode_num_draft_tokens,
+        spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens)

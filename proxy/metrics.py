@@ -13,7 +13,8 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
   past_deadline; proxy.migration);
 - per node (`node_id`, `role` labels), from the nodes' Stats on each scrape: kv_cache_usage_perc,
   num_requests_waiting, node_num_requests_running, prefix_cache_queries_total / _hits_total (tokens),
-  prefill_leases_expired_total, kv_transfer_failures_total, node_up (0 when Stats failed) and
+  prefill_leases_expired_total, kv_transfer_failures_total, spec_decode_num_drafts_total /
+  _num_draft_tokens_total / _num_accepted_tokens_total (decode nodes), node_up (0 when Stats failed) and
   node_heartbeat_age_seconds (registered nodes), num_queued_prefill_tokens, node_info{kv_backend, pod_uid} (1);
   num_nodes{role}: how many nodes the proxy sees.
 
@@ -207,6 +208,13 @@ class ClusterCollector:
         queued = GaugeMetricFamily("tandem:num_queued_prefill_tokens", "Prompt tokens admitted on the node but not "
                                    "computed yet.", labels=labels)
         now = time.time()
+        # vLLM's speculative-decoding counters; the acceptance rate is accepted / draft tokens
+        drafts = CounterMetricFamily("tandem:spec_decode_num_drafts", "Verification steps of a request with "
+                                     "speculative drafts.", labels=labels)
+        draft_tokens = CounterMetricFamily("tandem:spec_decode_num_draft_tokens", "Speculative draft tokens "
+                                           "proposed.", labels=labels)
+        accepted_tokens = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens", "Speculative draft tokens "
+                                              "the target model accepted.", labels=labels)
         for node in self.nodes:
             values = [m, node.node_id, node.role.value]
             up.add_metric(values, 1 if node.up else 0)
@@ -231,8 +239,11 @@ class ClusterCollector:
                 transfer_bytes.add_metric(values, s.kv_transfer_bytes)
                 transfer_seconds.add_metric(values, count_value=s.kv_transfer_count,
                                             sum_value=s.kv_transfer_seconds_sum)
+                drafts.add_metric(values, s.spec_decode_num_drafts)
+                draft_tokens.add_metric(values, s.spec_decode_num_draft_tokens)
+                accepted_tokens.add_metric(values, s.spec_decode_num_accepted_tokens)
         yield from (up, info, heartbeat_age, queued, usage, waiting, running, queries, hits, expired, failures,
-                    transfer_bytes, transfer_seconds)
+                    transfer_bytes, transfer_seconds, drafts, draft_tokens, accepted_tokens)
 
 
     def _attempts(self) -> Iterator[Metric]:

@@ -64,6 +64,9 @@ class ServeConfig:
         None, "environment the node processes start with, for transport libraries that read only that, e.g. "
               "'UCX_TLS=rc,cuda_ipc MC_TRANSFER_TIMEOUT=60' (default: "
               f"'{LOOPBACK_TRANSPORT_ENV}' on a single machine, none on a Ray cluster)", metavar="'K=V ...'")
+    speculative_config: str | None = setting(
+        None, "speculative decoding on the decode nodes, as vLLM's JSON: '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: off)", metavar="JSON")
     startup_timeout: float = setting(300.0, "seconds a node may take to be placed and start serving", minimum=1.0,
                                      metavar="SECONDS")
     cluster: ClusterSettings = group(ClusterSettings)
@@ -73,6 +76,13 @@ class ServeConfig:
             _refuse_cluster_flags(getattr(self, name), f"--{name.replace('_', '-')}")
         if self.transport_env is not None:
             parse_env_assignments(self.transport_env)
+        if self.speculative_config is not None:
+            from engine.spec_decode.config import SpeculativeConfig  # torch-free
+
+            try:
+                SpeculativeConfig.parse(self.speculative_config)
+            except ValueError as e:
+                raise ConfigError(f"--speculative-config: {e}") from None
         if self.node_gpus is not None and self.node_gpus > 1 and not self.node_gpus.is_integer():
             raise ConfigError(f"--node-gpus: a node takes a share of one GPU or whole GPUs, not {self.node_gpus:g}")
         if self.gpu_memory_utilization is not None:
@@ -83,6 +93,13 @@ class ServeConfig:
                 raise ConfigError(
                     f"--gpu-memory-utilization {self.gpu_memory_utilization:g} is more than a node's share of its "
                     f"GPU (--node-gpus {self.node_gpus:g}): nodes sharing a GPU would run it out of memory")
+
+    def node_extra_args(self) -> tuple[str, ...]:
+        """--node-args, and the node flags tandem serve's own settings stand for."""
+        extra = tuple(shlex.split(self.node_args))
+        if self.speculative_config is not None:
+            extra += ("--speculative-config", self.speculative_config)
+        return extra
 
     def node_gpu_memory_utilization(self) -> float | None:
         """What each node on a GPU is told to take of it (None: the node's own default, 0.9)."""

@@ -60,3 +60,7 @@ class NodeStats:
     kv_transfer_bytes: int = 0  # decode node: bytes pulled from prefill nodes
     kv_transfer_count: int = 0  # decode node: pulls that completed
     kv_transfer_seconds_sum: float = 0.0  # decode node: their total duration (read to verified)
+    # speculative decoding (decode node, --speculative-config): verification steps with drafts, drafts, accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0

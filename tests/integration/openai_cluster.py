@@ -68,15 +68,16 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def running_cluster(model: Path, log_dir: Path, with_guarded_proxy: bool = True) -> Iterator[Cluster]:
+def running_cluster(model: Path, log_dir: Path, with_guarded_proxy: bool = True,
+                    decode_args: list[str] | None = None) -> Iterator[Cluster]:
     """P, D and a proxy that disaggregates every request (so the first token, its logprobs and the prefix hit
     come from P); with_guarded_proxy adds one with the router's default (short prompts run on D alone), an API
-    key and --max-num-requests 1. Everything is stopped on exit."""
+    key and --max-num-requests 1; decode_args are extra flags of D. Everything is stopped on exit."""
     processes: list[Process] = []
     try:
         prefill, prefill_address = start_node("prefill", model, "nixl", log_dir)
         processes.append(prefill)
-        decode, decode_address = start_node("decode", model, "nixl", log_dir)
+        decode, decode_address = start_node("decode", model, "nixl", log_dir, decode_args)
         processes.append(decode)
         proxy, url = start_proxy(model, prefill_address, decode_address, log_dir,
                                  ["--block-size", "4", "--colocate-max-tokens", "0"])

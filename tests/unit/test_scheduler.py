@@ -20,7 +20,7 @@ def request(n: int, request_id: str) -> Request:
 def run_step(s: Scheduler) -> list[tuple[str, int]]:
     out = s.schedule()
     # what the runner would do: a token for every request whose step reaches its last token
-    s.update_from_output(out, {i.request.request_id: SampledToken(1) for i in out.scheduled if i.samples})
+    s.update_from_output(out, {i.request.request_id: [SampledToken(1)] for i in out.scheduled if i.samples})
     return [(i.request.request_id, i.num_new_tokens) for i in out.scheduled]
 
 
