@@ -248,6 +248,10 @@ class LLMEngine:
             return []
         return self.scheduler.update_from_output(in_flight.batch, in_flight.sampled.tokens())
 
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel worker processes (a single-rank engine has none)."""
+        self.runner.close()
+
     # ---- what the engine tells the outside ----
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
