@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAt
 from engine.layers.linear import HeadSplit
 from engine.model.loader import build_model
 from engine.parallel.context import ParallelContext
-from engine.parallel.executor import StepInputs, TensorParallelWorkers
+from engine.parallel.executor import StepInputs, TensorParallelWorkers, resolve_call
 from engine.profile_run import allocate_kv_pool, profile_step_bytes
 from engine.sampled_step import SampledStep
 from engine.sampler import Sampler, SamplingRow, noise_seed, to_device
@@ -72,6 +73,7 @@ class ModelRunner:
                 self.workers = TensorParallelWorkers(cfg, model_cfg, max_model_len, self.device.type)
                 parallel = self.workers.parallel
         self.parallel = parallel
+        self.rank_state: dict[str, Any] = {"runner": self}  # what call_ranks' functions get on this rank
         if parallel.is_parallel and self.device.type == "cuda":
             self.device = torch.device("cuda", parallel.tp_rank)  # one GPU per rank, the rank's own
         if self.device.type == "cuda" and self.device.index is not None:
@@ -185,6 +187,14 @@ class ModelRunner:
             if sample_rows.shape[0] < hidden.shape[0]:
                 hidden = hidden[sample_rows]
             self.model.compute_logits(hidden)  # takes part in the logits' all-gather
+
+    def call_ranks(self, path: str, *args: Any) -> list[Any]:
+        """Runs the function `path` ("module:function") as function(rank_state, *args) on every rank of the node,
+        this one included; the results in rank order. How a node does per-rank work engine/ knows nothing of (each
+        rank's KV transfer agent); must run on the thread that runs the steps."""
+        if self.workers is None:
+            return [resolve_call(path)(self.rank_state, *args)]
+        return self.workers.call(path, self.rank_state, *args)
 
     def close(self) -> None:
         """Stops the worker ranks (rank 0); nothing to do on one rank."""

@@ -130,14 +130,21 @@ class TensorParallelWorkers:
         self.parallel.broadcast_object((_STEP, inputs))
 
     def call(self, path: str, rank_state: Any, *args: Any) -> list[Any]:
-        """Runs `path`(state, *args) on every rank (rank 0's `rank_state` here); the results in rank order."""
+        """Runs `path`(state, *args) on every rank (rank 0's `rank_state` here); the results in rank order. An
+        exception on any rank is raised here (after every rank answered: the ranks stay in step)."""
         self.parallel.broadcast_object((_CALL, path, args))
-        mine = resolve_call(path)(rank_state, *args)
+        error: BaseException | None = None
+        try:
+            mine = resolve_call(path)(rank_state, *args)
+        except Exception as e:
+            error, mine = e, None
         results = self.parallel.gather_objects(mine)
         assert results is not None
-        failures = [r for r in results if isinstance(r, RankCallError)]
-        if failures:
-            raise failures[0]
+        if error is not None:
+            raise error
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
         return results
 
     def close(self) -> None:
@@ -167,9 +174,18 @@ class RankCallError(RuntimeError):
     """A CALL failed on some rank: the message names the rank and the error."""
 
 
+def _picklable(error: Exception, where: str) -> Exception:
+    """The error itself when it travels (so rank 0 raises the same type), else a RankCallError naming it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any pickling failure: send the message instead
+        return RankCallError(f"{where}: {type(error).__name__}: {error}")
+
+
 def worker_loop(runner: ModelRunner, parallel: ParallelContext) -> None:
     """A worker rank's life: execute what rank 0 broadcasts until STOP."""
-    state: dict[str, Any] = {"runner": runner}
+    state = runner.rank_state
     while True:
         command = parallel.broadcast_object(None)
         kind = command[0]
@@ -180,8 +196,8 @@ def worker_loop(runner: ModelRunner, parallel: ParallelContext) -> None:
             try:
                 result = resolve_call(path)(state, *args)
             except Exception as e:  # reported to rank 0, which raises it; the worker stays in step
-                logger.exception("rank %d: %s failed", parallel.tp_rank, path)
-                result = RankCallError(f"rank {parallel.tp_rank}: {path}: {type(e).__name__}: {e}")
+                logger.warning("rank %d: %s failed: %s", parallel.tp_rank, path, e)
+                result = _picklable(e, f"rank {parallel.tp_rank}: {path}")
             parallel.gather_objects(result)
         elif kind == _STOP:
             return
