@@ -41,7 +41,7 @@ def test_layout_hash_changes_with_every_field() -> None:
     variants = [{**fields, name: value} for name, value in [
         ("model", "other"), ("dtype", "float32"), ("num_layers", 5), ("num_kv_heads", 4), ("head_dim", 128),
         ("block_size", 32), ("tp_size", 2)]]
-    hashes = {layout_hash(**v) for v in variants} | {layout_hash(**fields, connector_version="2"),
+    hashes = {layout_hash(**v) for v in variants} | {layout_hash(**fields, connector_version="3"),
                                                      layout_hash(**fields, hash_seed="s")}
     assert len(hashes) == len(variants) + 2 and LAYOUT.layout_hash not in hashes
 
