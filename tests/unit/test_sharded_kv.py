@@ -34,7 +34,8 @@ def test_replicated_kv_heads_are_read_from_the_first_rank_holding_them() -> None
 
 
 def test_a_peer_missing_heads_is_refused_naming_them() -> None:
-    with pytest.raises(IncompatiblePeerError, match=r"hold KV heads \[0, 1\] of 4; rank 0 of 1 here needs \[0, 1, 2, 3\]"):
+    missing = r"hold KV heads \[0, 1\] of 4; rank 0 of 1 here needs \[0, 1, 2, 3\]"
+    with pytest.raises(IncompatiblePeerError, match=missing):
         plan_reads(ranks(1), ranks(2)[:1], "p")
 
 
