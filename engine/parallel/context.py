@@ -11,6 +11,7 @@ measured, not estimated (bench/tp_comm.py).
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,8 @@ class ParallelContext:
         dist.broadcast_object_list(holder, src=0, group=self.cpu_group or self.group)
         self.stats.by_kind["broadcast_object"] = self.stats.by_kind.get("broadcast_object", 0) + 1
         self.stats.num_collectives += 1
+        if self.is_driver:  # what broadcast_object_list sends: the pickle and its length (int64)
+            self.stats.num_bytes += len(pickle.dumps(obj)) + 8
         return holder[0]
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
