@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from kvtransfer import KVLayout
+from kvtransfer import KVLayout, KVRegion
 from kvtransfer.base import Connector
 from node_common import sharded_kv
 from node_common.sharded_kv import ShardedConnector
@@ -36,13 +36,14 @@ def node_layout_hash(engine: LLMEngine) -> str:
 
 
 def open_connector(engine: LLMEngine, backend: str, host: str, name: str,
-                   transport: TransportSettings | None = None) -> tuple[Connector, Any, bytes]:
+                   transport: TransportSettings | None = None) -> tuple[Connector, KVRegion, bytes]:
     """Creates every rank's connector with the cluster's transport settings and registers its slice of the KV pool;
-    returns (the node's connector, rank 0's region of head units, the node's metadata: every rank's envelope)."""
+    returns (the node's connector, rank 0's pool as a region of whole blocks, the node's metadata: every rank's
+    envelope)."""
     transport = transport or TransportSettings()
     connector = ShardedConnector(engine, backend, host, name, dict(transport.connector_options(backend)),
                                  _layout_fields(engine))
-    return connector, engine.rank_state["kv"].region, connector.metadata
+    return connector, KVRegion.from_buffer(engine.kv_cache), connector.metadata
 
 
 def block_checksums(engine: LLMEngine, block_ids: list[int]) -> tuple[str, ...]:
