@@ -7,7 +7,8 @@ A request's life on a decode node (D):
 3. D reserves blocks for the prompt, reusing its own prefix-cache hits (the request is
    WAITING_FOR_REMOTE_KV in the engine: see engine/request.py); when the pool is full it waits, extending
    the lease, until blocks free up or the deadline passes.
-4. D pulls the blocks it lacks with one READ (runs of consecutive ids become single descriptors), polled
+4. D pulls the blocks it lacks with one READ (runs of consecutive ids become single descriptors; on a node of
+   several tensor-parallel ranks, one per rank and prefill rank it reads heads from), polled
    from the engine thread, and verifies each pulled block's checksum (in one batch, with the algorithm P's
    checksums name: a ticket naming one D does not know is refused before the pull). A failed or corrupt
    transfer aborts the request (freeing the blocks) with a retryable error: never a success with wrong KV.
