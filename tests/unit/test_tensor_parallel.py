@@ -22,13 +22,16 @@ MODELS = {
     "qwen2-qkv-bias": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {}),
 }
+# asynchronous scheduling: a decode row's input is the last step's sample on rank 0, broadcast to the others
+ASYNC = {"qwen3-qk-norm"}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_two_ranks_decode_greedy_tokens_equal_to_transformers(tiny_model: TinyModelFactory, name: str) -> None:
     arch, overrides = MODELS[name]
     model = tiny_model(arch, **overrides)
-    llm = LLM(model=str(model), dtype="float32", block_size=4, max_num_batched_tokens=12, tensor_parallel_size=2)
+    llm = LLM(model=str(model), dtype="float32", block_size=4, max_num_batched_tokens=12, tensor_parallel_size=2,
+              async_scheduling=name in ASYNC)
     try:
         rng = random.Random(0)
         vocab = llm.engine.model_config.vocab_size
@@ -36,7 +39,11 @@ def test_two_ranks_decode_greedy_tokens_equal_to_transformers(tiny_model: TinyMo
         prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 9, 14)]
         outputs = llm.generate(prompts, GREEDY)
         assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model, prompts, GREEDY.max_tokens)
-        assert llm.engine.runner.parallel.tp_size == 2
+        parallel = llm.engine.runner.parallel
+        assert parallel.tp_size == 2
+        # one all-reduce per attention and per MLP block of each step's 2 layers, and the embedding's
+        assert parallel.stats.by_kind["all_reduce"] % 5 == 0
+        assert (parallel.stats.by_kind.get("broadcast", 0) > 0) == (name in ASYNC)
     finally:
         llm.close()
 
