@@ -39,7 +39,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_INIT_TIMEOUT = datetime.timedelta(seconds=120)
+# The timeout of every collective of the group, the command broadcast included: a worker waits in it for as long
+# as its node is idle, so it must outlast any idle spell. A dead rank 0 is noticed sooner anyway: its connections
+# close (the worker's collective fails) and the worker is killed with it (engine/parallel/worker.py).
+_COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,9 @@ def init_parallel(rank: int, world_size: int, init_method: str, device_type: str
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=_INIT_TIMEOUT)
+                            timeout=_COLLECTIVE_TIMEOUT)
     group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else group
+    cpu_group = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT) if backend == "nccl" else group
     return ParallelContext(tp_rank=rank, tp_size=world_size, group=group, cpu_group=cpu_group)
 
 
