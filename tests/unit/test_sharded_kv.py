@@ -41,8 +41,8 @@ def test_a_peer_missing_heads_is_refused_naming_them() -> None:
 
 def test_unit_ids_are_block_times_rank_heads_plus_the_local_head() -> None:
     # prefill rank 1 of 2 holds heads 2, 3 (2 per block); a decode node of one rank holds all 4
-    assert unit_ids([5, 6], [2, 3], head_start=2, rank_heads=2) == [10, 11, 12, 13]
-    assert unit_ids([0, 7], [2, 3], head_start=0, rank_heads=4) == [2, 3, 30, 31]
+    assert unit_ids([5, 6], [2, 3], head_start=2, rank_heads=2).tolist() == [10, 11, 12, 13]
+    assert unit_ids([0, 7], [2, 3], head_start=0, rank_heads=4).tolist() == [2, 3, 30, 31]
 
 
 def test_layouts_of_one_model_pair_whatever_their_split_and_hash_the_split_apart() -> None:
