@@ -70,6 +70,11 @@ class ModelRunner:
         if parallel is None:
             parallel = ParallelContext()
             if cfg.tensor_parallel_size > 1:
+                # heads that do not split over the ranks are refused here, before any worker starts
+                HeadSplit.of(model_cfg.num_heads, model_cfg.num_kv_heads, 0, cfg.tensor_parallel_size)
+                if self.device.type == "cuda" and torch.cuda.device_count() < cfg.tensor_parallel_size:
+                    raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} runs a rank per GPU, and this "
+                                     f"process sees {torch.cuda.device_count()} GPU(s)")
                 self.workers = TensorParallelWorkers(cfg, model_cfg, max_model_len, self.device.type)
                 parallel = self.workers.parallel
         self.parallel = parallel

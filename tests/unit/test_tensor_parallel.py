@@ -69,3 +69,9 @@ def test_a_head_count_that_does_not_split_is_refused_with_the_reason() -> None:
         HeadSplit.of(12, 6, 0, 4)
     with pytest.raises(ValueError, match="attention heads do not split"):
         HeadSplit.of(6, 2, 0, 4)
+
+
+def test_a_model_whose_heads_do_not_split_is_refused_before_any_worker_starts(tiny_model: TinyModelFactory) -> None:
+    # 4 attention heads over 3 ranks
+    with pytest.raises(ValueError, match="4 attention heads do not split over 3 tensor-parallel ranks"):
+        LLM(model=str(tiny_model("qwen2")), dtype="float32", tensor_parallel_size=3)
