@@ -276,6 +276,7 @@ class ShardedConnector(Connector):
         node = self._peers.get(peer)
         if node is None:
             raise UnknownPeerError(f"unknown peer {peer!r}: add_peer it first")
+        # remote ids are checked against each peer rank's region by the rank agent that reads it (as head units)
         remote, local = validate_block_ids(remote_block_ids, local_block_ids, num_remote_blocks=1 << 62,
                                            num_local_blocks=self.engine.num_kv_blocks)
         reads: dict[int, list[tuple[PeerId, np.ndarray, np.ndarray]]] = {}
@@ -323,6 +324,7 @@ class ShardedConnector(Connector):
         for peer_id in node.peer_ids.get(0, {}).values():  # best effort: through a peer rank rank 0 reads from
             kv.connector.notify(peer_id, message)
             return
+        logger.debug("notification to %s dropped: rank 0 reads from none of its ranks", peer)
 
     def get_notifications(self) -> list[tuple[PeerId, bytes]]:
         kv: _RankKV = self.engine.rank_state["kv"]
