@@ -39,6 +39,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from redis.exceptions import RedisError
 
+from cluster.rank_placement import reserve_rank_gpus
 from settings import ClusterSettings, to_args
 from settings.env import child_environment
 from wire import node_key
@@ -67,6 +68,7 @@ class NodeLaunch:
     cluster: ClusterSettings = field(default_factory=ClusterSettings)  # handed to every node as flags
     environment: Mapping[str, str] = field(default_factory=dict)  # transport variables the processes start with
     tp: int = 1
+    role_tp: Mapping[str, int] = field(default_factory=dict)  # a role's own TP size (--prefill-tp, --decode-tp)
     cpus_per_node: float = 0.5
     gpus_per_rank: float = 0.0  # 0: the nodes run on CPU; a fraction: nodes share a GPU (Ray packs them)
     gpu_memory_utilization: float | None = None  # what each node on a GPU takes of its memory (None: its default)
@@ -76,6 +78,9 @@ class NodeLaunch:
     num_threads: Mapping[str, int] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     log_dir: str | None = None
+
+    def tp_of(self, role: str) -> int:
+        return self.role_tp.get(role, self.tp)
 
 
 def placement_bundles(tp: int, gpus_per_rank: float, cpus_per_node: float) -> list[dict[str, float]]:
@@ -88,7 +93,12 @@ def placement_bundles(tp: int, gpus_per_rank: float, cpus_per_node: float) -> li
 def node_command(launch: NodeLaunch, role: str, node_id: str, host: str, port: int) -> list[str]:
     return [sys.executable, "-m", f"{role}_node", "--model", launch.model, *to_args(launch.cluster),
             "--host", host, "--port", str(port), "--node-id", node_id, "--registry", launch.registry_url,
-            *device_args(launch), *thread_args(launch, role), *launch.extra_args]
+            *device_args(launch), *thread_args(launch, role), *tp_args(launch, role), *launch.extra_args]
+
+
+def tp_args(launch: NodeLaunch, role: str) -> list[str]:
+    tp = launch.tp_of(role)
+    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
 
 
 def thread_args(launch: NodeLaunch, role: str) -> list[str]:
@@ -122,10 +132,12 @@ class NodeProcess:
     dies with the actor (PR_SET_PDEATHSIG), even when Ray kills the actor outright.
     """
 
-    def __init__(self, launch: NodeLaunch, role: str, node_id: str) -> None:
+    def __init__(self, launch: NodeLaunch, role: str, node_id: str, rank_gpu_ids: Sequence[str] = ()) -> None:
+        """rank_gpu_ids: the GPUs of the node's other tensor-parallel ranks (cluster/rank_placement.py)."""
         self.launch = launch
         self.role = role
         self.node_id = node_id
+        self.rank_gpu_ids = list(rank_gpu_ids)
         self.popen: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
 
@@ -145,7 +157,8 @@ class NodeProcess:
 
     def environment(self) -> dict[str, str]:
         """The node process's environment, with the GPUs Ray gave this actor (none on CPU placements)."""
-        return node_environment(self.launch, ray.get_gpu_ids() if self.launch.gpus_per_rank > 0 else ())
+        gpus = [*ray.get_gpu_ids(), *self.rank_gpu_ids] if self.launch.gpus_per_rank > 0 else []
+        return node_environment(self.launch, gpus)
 
     def state(self) -> tuple[str, int | None]:
         """("starting" | "ready" | "exited", exit code)."""
@@ -198,6 +211,7 @@ class Node:
     address: str | None = None
     placement: PlacementGroup | None = None
     actor: Any = None  # the NodeProcess actor handle
+    rank_holders: list[Any] = field(default_factory=list)  # a TP node's other ranks' GPU reservations
     error: str | None = None
     started_at: float = field(default_factory=time.monotonic)
     task: asyncio.Task[None] | None = None  # what the manager is doing with it (start, drain)
@@ -252,14 +266,15 @@ class PoolManager:
         resources = self._resources()
         if not resources:
             return None
-        bundles = placement_bundles(self.launch.tp, self.launch.gpus_per_rank, self.launch.cpus_per_node)
+        tp = max(self.launch.tp_of(role) for role in ROLES)
+        bundles = placement_bundles(tp, self.launch.gpus_per_rank, self.launch.cpus_per_node)
         need = {name: sum(b.get(name, 0.0) for b in bundles) for name in ("CPU", "GPU")}
         return min(int(resources.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0)
 
     def _per_node(self) -> str:
         cpus = f"{self.launch.cpus_per_node:g} CPU"
         if self.launch.gpus_per_rank > 0:
-            return f"{self.launch.tp * self.launch.gpus_per_rank:g} GPU and {cpus}"
+            return f"{max(self.launch.tp_of(r) for r in ROLES) * self.launch.gpus_per_rank:g} GPU and {cpus}"
         return cpus
 
     def status(self) -> dict[str, PoolStatus]:
@@ -337,14 +352,17 @@ class PoolManager:
     async def place(self, node: Node, timeout_s: float) -> None:
         """Reserves the node's placement group and creates its actor in it (the process is not started yet).
         The actor asks for its bundle's GPU share, so Ray shows it the GPU it reserved."""
-        bundles = placement_bundles(self.launch.tp, self.launch.gpus_per_rank, self.launch.cpus_per_node)
+        bundles = placement_bundles(self.launch.tp_of(node.role), self.launch.gpus_per_rank,
+                                    self.launch.cpus_per_node)
+        # one machine for all of a node's ranks (a bundle each): they talk over NCCL / gloo on loopback
         node.placement = placement_group(bundles, strategy="STRICT_PACK", name=f"tandem-{node.node_id}")
         await _ray_wait(node.placement.ready(), timeout_s,
                         f"no room to place {node.node_id} ({bundles}): not enough free resources")
+        node.rank_holders, rank_gpu_ids = await reserve_rank_gpus(node.placement, bundles, timeout_s)
         node.actor = self._actor_class.options(
             num_cpus=bundles[0]["CPU"], num_gpus=bundles[0].get("GPU", 0.0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(node.placement, placement_group_bundle_index=0),
-        ).remote(self.launch, node.role, node.node_id)
+        ).remote(self.launch, node.role, node.node_id, rank_gpu_ids)
 
     async def _registered(self, node: Node) -> bool:
         try:
@@ -385,8 +403,10 @@ class PoolManager:
             actor, node.actor = node.actor, None  # freed once, whoever gets here first (drain or shutdown)
             placement, node.placement = node.placement, None
             with contextlib.suppress(Exception):  # Ray itself may be going away
-                if actor is not None:
-                    ray.kill(actor)
+                for holder in [actor, *node.rank_holders]:
+                    if holder is not None:
+                        ray.kill(holder)
+                node.rank_holders = []
                 if placement is not None:
                     remove_placement_group(placement)
             if node in self.nodes:

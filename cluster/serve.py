@@ -83,9 +83,6 @@ class Child:
 
 def serve(config: ServeConfig) -> None:
     """Runs the cluster until SIGINT/SIGTERM. Raises ServeError when it cannot start."""
-    if config.tp != 1:
-        raise ServeError("--tp above 1 needs tensor parallelism in the engine, which it does not have yet: "
-                         "use --tp 1")
     if config.ray_address != "local" and config.registry is None:
         raise ServeError("a Ray cluster of several machines needs a registry every machine can reach: "
                          "pass --registry redis://HOST:PORT")
@@ -131,6 +128,7 @@ def serve(config: ServeConfig) -> None:
         launch = NodeLaunch(model=str(model.resolve()), registry_url=registry_url,
                             cluster=config.node_settings(on_one_machine=local),
                             environment=config.node_environment(on_one_machine=local), tp=config.tp,
+                            role_tp={role: config.tp_of(role) for role in ("prefill", "decode")},
                             cpus_per_node=config.node_cpus,
                             gpus_per_rank=(config.node_gpus or 0.0) if has_gpus else 0.0,
                             gpu_memory_utilization=config.node_gpu_memory_utilization(), bind_loopback=local,

@@ -7,7 +7,8 @@ A request's life on a decode node (D):
 3. D reserves blocks for the prompt, reusing its own prefix-cache hits (the request is
    WAITING_FOR_REMOTE_KV in the engine: see engine/request.py); when the pool is full it waits, extending
    the lease, until blocks free up or the deadline passes.
-4. D pulls the blocks it lacks with one READ (runs of consecutive ids become single descriptors), polled
+4. D pulls the blocks it lacks with one READ (runs of consecutive ids become single descriptors; on a node of
+   several tensor-parallel ranks, one per rank and prefill rank it reads heads from), polled
    from the engine thread, and verifies each pulled block's checksum (in one batch, with the algorithm P's
    checksums name: a ticket naming one D does not know is refused before the pull). A failed or corrupt
    transfer aborts the request (freeing the blocks) with a retryable error: never a success with wrong KV.
@@ -31,7 +32,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -110,10 +111,13 @@ class _LeaseCheck:
 
 class DecodeLoop:
     def __init__(self, engine: AsyncEngine, connector: Connector, region: KVRegion, layout_hash: str,
-                 leases: LeaseClient) -> None:
+                 leases: LeaseClient, verify: Callable[[list[int], tuple[str, ...]], list[int]] | None = None) -> None:
+        """verify(block ids, expected checksums) -> the mismatched blocks, on the engine thread (default: the
+        checksums of `region`'s blocks; a node split over tensor-parallel ranks checks every rank's slice)."""
         self.engine = engine
         self.connector = connector
         self.region = region
+        self._verify_blocks = verify
         self.layout_hash = layout_hash
         self.leases = leases
         self.num_transfer_failures = 0
@@ -263,7 +267,7 @@ class DecodeLoop:
             raise DecodeError("DATA_LOSS", f"KV checksum mismatch in {len(bad)} of {len(local)} pulled blocks of "
                                            f"ticket {ticket.ticket_id}", retryable=True)
         if handle is not None:
-            self.num_transferred_bytes += len(local) * self.region.block_bytes
+            self.num_transferred_bytes += handle.num_bytes
             self.num_transfers += 1
             self.transfer_seconds += time.perf_counter() - read_at
         pulled_at = time.perf_counter()
@@ -348,6 +352,8 @@ class DecodeLoop:
     def _verify(self, local: list[int], expected: tuple[str, ...]) -> list[int]:
         # KVTicket guarantees one checksum per block (a ticket without them never gets this far); each block is
         # checked with the algorithm P named (mix64 from a GPU node, xxh3 from a CPU node), in one batch
+        if self._verify_blocks is not None:
+            return self._verify_blocks(local, expected)
         return mismatched_blocks(self.region, local, expected)
 
     async def abort(self, request_id: str) -> bool:

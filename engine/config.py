@@ -199,6 +199,9 @@ class EngineConfig:
     # a dict, a JSON string or a SpeculativeConfig; held as a SpeculativeConfig (engine/spec_decode/). None: off.
     # Speculative steps run synchronously: it turns async_scheduling off.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # vLLM's name: the ranks a node's model is split over (engine/parallel/executor.py); each holds its heads'
+    # slice of the weights and of the KV pool. Rank 0 is this process; the others are worker processes.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -221,6 +224,9 @@ class EngineConfig:
         check(isinstance(self.gpu_memory_utilization, int | float) and not isinstance(self.gpu_memory_utilization, bool)
               and 0.0 < self.gpu_memory_utilization <= 1.0,
               f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(isinstance(self.tensor_parallel_size, int) and not isinstance(self.tensor_parallel_size, bool)
+              and self.tensor_parallel_size >= 1,
+              f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
         check(isinstance(self.device, str) and DEVICE_FORM.match(self.device) is not None,
               f"device must be {DEVICE_CHOICES}, got {self.device!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

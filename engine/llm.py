@@ -20,10 +20,15 @@ class LLM:
         """engine_args are EngineConfig's fields (engine/config.py), with its defaults: dtype,
         max_num_batched_tokens, max_num_seqs, block_size, enable_prefix_caching, num_kv_blocks, seed, device,
         gpu_memory_utilization (0.9: the fraction of the GPU's memory this engine may use), load_format,
-        speculative_config (vLLM's: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}), ..."""
+        speculative_config (vLLM's: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}),
+        tensor_parallel_size (ranks, each a process holding its slice of the model), ..."""
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}  # decode_token's cache, shared by every request's output
+
+    def close(self) -> None:
+        """Stops the worker processes of a tensor_parallel_size > 1 engine (also done at interpreter exit)."""
+        self.engine.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -32,6 +32,7 @@ import logging
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -286,6 +287,28 @@ class LLMEngine:
         if in_flight is None:
             return []
         return self.scheduler.update_from_output(in_flight.batch, in_flight.sampled.tokens())
+
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel worker processes (a single-rank engine has none)."""
+        self.runner.close()
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's state, the one call_ranks' functions get here (rank 0)."""
+        return self.runner.rank_state
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.runner.parallel.tp_size
+
+    def call_ranks(self, path: str, *args: Any) -> list[Any]:
+        """Runs "module:function"(rank_state, *args) on each tensor-parallel rank (engine/runner.py); on the
+        engine thread."""
+        return self.runner.call_ranks(path, *args)
 
     # ---- what the engine tells the outside ----
     def stats(self) -> EngineStats:

@@ -28,10 +28,12 @@ def allocate_kv_pool(model_cfg: ModelConfig, num_blocks: int, block_size: int, d
                      device: torch.device) -> tuple[torch.Tensor, KVCaches]:
     """The pool and each layer's (k, v) views of it.
 
-    storage: [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim] (see layers/attention.py)."""
-    storage = torch.zeros((num_blocks, model_cfg.num_layers, 2, block_size, model_cfg.num_kv_heads,
+    storage: [num_blocks, num_kv_heads, num_layers, 2 (k, v), block_size, head_dim] (see layers/attention.py);
+    a layer's views are [num_blocks, block_size, num_kv_heads, head_dim] through strides."""
+    storage = torch.zeros((num_blocks, model_cfg.num_kv_heads, model_cfg.num_layers, 2, block_size,
                            model_cfg.head_dim), dtype=dtype, device=device)
-    return storage, [(storage[:, i, 0], storage[:, i, 1]) for i in range(model_cfg.num_layers)]
+    return storage, [(storage[:, :, i, 0].transpose(1, 2), storage[:, :, i, 1].transpose(1, 2))
+                     for i in range(model_cfg.num_layers)]
 
 
 def profile_step_bytes(model: LlamaForCausalLM, backend: AttentionBackend, model_cfg: ModelConfig,

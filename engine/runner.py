@@ -9,12 +9,18 @@ sampled ids.
 A request with speculative drafts (engine/spec_decode/) is a multi-token query over its cached context: it
 runs as a prefill chunk (never in a decode CUDA graph, which takes one query token per sequence) and samples
 at each of its 1 + k positions, each row as the step that would sample that token without speculation.
+
+Tensor parallelism (engine/parallel/executor.py): rank 0's runner starts the other ranks and sends each step's
+host inputs (`StepInputs`) before it runs the step; a worker's runner runs the same forward pass from them
+(`execute_inputs`) and samples nothing. CUDA graphs are off with several ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +28,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import GpuMemoryError, check_free_memory, gib, plan_gpu_memory, resolve_device
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from engine.layers.linear import HeadSplit
 from engine.model.loader import build_model
+from engine.parallel.context import ParallelContext
+from engine.parallel.executor import StepInputs, TensorParallelWorkers, resolve_call
 from engine.profile_run import allocate_kv_pool, profile_step_bytes
 from engine.sampled_step import SampledStep
 from engine.sampler import Sampler, SamplingRow, TokenBitmask, noise_seed, to_device
@@ -57,12 +66,34 @@ def make_attention_backend(name: str) -> AttentionBackend:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
+                 parallel: ParallelContext | None = None) -> None:
+        """parallel: given to a worker rank; None on rank 0, which starts the workers when the config asks for
+        several ranks."""
         self.device = resolve_device(cfg.device)
+        self.workers: TensorParallelWorkers | None = None
+        if parallel is None:
+            parallel = ParallelContext()
+            if cfg.tensor_parallel_size > 1:
+                # heads that do not split over the ranks are refused here, before any worker starts
+                HeadSplit.of(model_cfg.num_heads, model_cfg.num_kv_heads, 0, cfg.tensor_parallel_size)
+                if self.device.type == "cuda" and torch.cuda.device_count() < cfg.tensor_parallel_size:
+                    raise ValueError(f"tensor_parallel_size={cfg.tensor_parallel_size} runs a rank per GPU, and this "
+                                     f"process sees {torch.cuda.device_count()} GPU(s)")
+                self.workers = TensorParallelWorkers(cfg, model_cfg, max_model_len, self.device.type)
+                parallel = self.workers.parallel
+        self.parallel = parallel
+        self.rank_state: dict[str, Any] = {"runner": self}  # what call_ranks' functions get on this rank
+        if parallel.is_parallel and self.device.type == "cuda":
+            self.device = torch.device("cuda", parallel.tp_rank)  # one GPU per rank, the rank's own
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton launches its kernels on the current device
         self.dtype = resolve_dtype(cfg.dtype, model_cfg, self.device)
         self.model_cfg = model_cfg
+        self.head_split = HeadSplit.of(model_cfg.num_heads, model_cfg.num_kv_heads, parallel.tp_rank,
+                                       parallel.tp_size)
+        # the KV pool holds this rank's KV heads only
+        self.pool_cfg = dataclasses.replace(model_cfg, num_kv_heads=self.head_split.num_kv_heads)
         self.block_size = cfg.block_size
         self.sliding_window = model_cfg.sliding_window
         backend_name = resolve_attention_backend(cfg.attention_backend, self.device)
@@ -70,11 +101,13 @@ class ModelRunner:
         # run interpreted, which the kernel tests do on their own
         fused = backend_name == "triton" and self.device.type == "cuda"
         self.model = build_model(model_cfg, self.dtype, self.device, max_model_len, cfg.load_format, cfg.seed,
-                                 fused_kernels=fused)
+                                 fused_kernels=fused, parallel=parallel)
         self.backend = make_attention_backend(backend_name)
-        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager
+        use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and not parallel.is_parallel
         graph_batch = min(cfg.max_graph_batch_size, cfg.max_num_seqs) if use_graphs else 0
         self.num_blocks = cfg.num_kv_blocks or self._default_num_blocks(cfg, max_model_len, graph_batch)
+        if parallel.is_parallel:  # every rank's pool has the same blocks: the scheduler's block ids name all
+            self.num_blocks = min(parallel.gather_all_ints(self.num_blocks))
         # With CUDA graphs, one more block past the pool: the padding rows of a graph store their K/V there.
         # The block pool never hands it out, and it is not part of `kv_cache` (what transfers register).
         num_allocated = self.num_blocks + 1 if use_graphs else self.num_blocks
@@ -82,7 +115,7 @@ class ModelRunner:
             # a size the user fixed: not planned against the GPU's memory, but never allocated into an OOM
             check_free_memory(torch.cuda.mem_get_info(self.device)[0], num_allocated * self.block_bytes,
                               f"a KV cache of {self.num_blocks} blocks")
-        storage, self.kv_caches = allocate_kv_pool(model_cfg, num_allocated, self.block_size, self.dtype,
+        storage, self.kv_caches = allocate_kv_pool(self.pool_cfg, num_allocated, self.block_size, self.dtype,
                                                    self.device)
         self.kv_cache = storage[:self.num_blocks]
         self.sampler = Sampler()
@@ -97,7 +130,7 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        c = self.model_cfg
+        c = self.pool_cfg
         return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _default_num_blocks(self, cfg: EngineConfig, max_model_len: int, graph_batch: int) -> int:
@@ -118,7 +151,7 @@ class ModelRunner:
         torch.cuda.empty_cache()  # the loader's temporaries are not the model's
         model_bytes = torch.cuda.memory_reserved(self.device)
         spec = SpeculativeConfig.parse(cfg.speculative_config)
-        activation_bytes = profile_step_bytes(self.model, self.backend, self.model_cfg, self.block_size, self.dtype,
+        activation_bytes = profile_step_bytes(self.model, self.backend, self.pool_cfg, self.block_size, self.dtype,
                                               self.device, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                               max_model_len, graph_batch,
                                               samples_per_seq=1 + (spec.num_speculative_tokens if spec else 0))
@@ -137,7 +170,10 @@ class ModelRunner:
         """Launches one step; returns the samples of each request whose step reached its last token."""
         # decodes (one new token) first, so the attention backend can batch them
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, sample_rows = self._prepare(items)
+        inputs = self._host_inputs(items)
+        if self.workers is not None:
+            self.workers.send_step(inputs)
+        input_ids, positions, meta, sample_rows = self._device_inputs(inputs)
         sampling = [item for item in items if item.samples]
         # a request with drafts has more than one new token: never a decode row, so never in a graph
         if self.graphs is not None and meta.num_decodes == len(items) and self.graphs.bucket(len(items)):
@@ -157,8 +193,30 @@ class ModelRunner:
                                          for _ in range(1 + len(item.draft_token_ids))], samples)
         return self.last_sampled
 
-    def _prepare(self, items: Sequence[ScheduledRequest]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    @torch.inference_mode()
+    def execute_inputs(self, inputs: StepInputs) -> None:
+        """A worker rank's step: rank 0's forward pass on this rank's slices (its logits gathered, not sampled)."""
+        input_ids, positions, meta, sample_rows = self._device_inputs(inputs)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if inputs.sample_rows:
+            if sample_rows.shape[0] < hidden.shape[0]:
+                hidden = hidden[sample_rows]
+            self.model.compute_logits(hidden)  # takes part in the logits' all-gather
+
+    def call_ranks(self, path: str, *args: Any) -> list[Any]:
+        """Runs the function `path` ("module:function") as function(rank_state, *args) on every rank of the node,
+        this one included; the results in rank order. How a node does per-rank work engine/ knows nothing of (each
+        rank's KV transfer agent); must run on the thread that runs the steps."""
+        if self.workers is None:
+            return [resolve_call(path)(self.rank_state, *args)]
+        return self.workers.call(path, self.rank_state, *args)
+
+    def close(self) -> None:
+        """Stops the worker ranks (rank 0); nothing to do on one rank."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def _host_inputs(self, items: Sequence[ScheduledRequest]) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -195,24 +253,35 @@ class ModelRunner:
         max_blocks = max(len(item.request.block_ids) for item in items)
         tables = [block for item in items
                   for block in item.request.block_ids + [0] * (max_blocks - len(item.request.block_ids))]
+        return StepInputs(input_ids, positions, slots, starts, seq_lens, tables, max_blocks, sample_rows,
+                          num_decodes=sum(1 for item in items if item.num_new_tokens == 1),
+                          pending_rows=pending_rows, pending_sources=pending_sources)
+
+    def _device_inputs(self, inputs: StepInputs
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        i = inputs
         # one host-to-device copy for all of the step's integers, instead of one per tensor
-        sizes = [len(input_ids), len(positions), len(slots), len(starts), len(seq_lens), len(tables),
-                 len(sample_rows), len(pending_rows), len(pending_sources)]
-        packed = to_device(input_ids + positions + slots + starts + seq_lens + tables + sample_rows + pending_rows
-                           + pending_sources, torch.int64, self.device)
+        sizes = [len(i.input_ids), len(i.positions), len(i.slots), len(i.starts), len(i.seq_lens),
+                 len(i.block_tables), len(i.sample_rows), len(i.pending_rows), len(i.pending_sources)]
+        packed = to_device(i.input_ids + i.positions + i.slots + i.starts + i.seq_lens + i.block_tables
+                           + i.sample_rows + i.pending_rows + i.pending_sources, torch.int64, self.device)
         ids_d, positions_d, slots_d, starts_d, seq_lens_d, tables_d, sample_rows_d, pending_rows_d, sources_d = (
             packed.split(sizes))
-        if pending_rows:
+        if i.pending_rows and self.parallel.is_driver:
             assert self.last_sampled is not None
             ids_d.index_copy_(0, pending_rows_d, self.last_sampled.device_token_ids.index_select(0, sources_d))
+        if i.pending_rows and self.parallel.is_parallel:
+            # the pending tokens live on rank 0's device: the ranks take its input ids
+            ids_d = self.parallel.broadcast(ids_d.contiguous())
+        num_seqs = len(i.seq_lens)
         meta = AttentionMetadata(
             slot_mapping=slots_d,
             query_start_loc=starts_d.to(torch.int32),
             seq_lens=seq_lens_d.to(torch.int32),
-            block_tables=tables_d.to(torch.int32).view(len(items), max_blocks),
-            num_decodes=sum(1 for item in items if item.num_new_tokens == 1),
-            query_start_loc_host=starts,
-            seq_lens_host=seq_lens,
+            block_tables=tables_d.to(torch.int32).view(num_seqs, i.max_blocks),
+            num_decodes=i.num_decodes,
+            query_start_loc_host=i.starts,
+            seq_lens_host=i.seq_lens,
             sliding_window=self.sliding_window,
         )
         return ids_d, positions_d, meta, sample_rows_d

@@ -18,6 +18,16 @@ The `auto` connector (kvtransfer/same_host.py) runs two backends and offers both
 
 `select_envelope` is how any connector reads a peer's metadata: its own backend's part of an auto peer's bundle, so
 a plain nixl (or mooncake, or ipc) node can read from an auto node.
+
+Tensor parallelism: each rank of a node registers its own slice of the KV pool, in *head units* (one KV head of one
+block, all layers: the pool is head-major within a block), and its layout says which heads it holds (`tp_size`,
+`tp_rank`, `kv_head_start`, `num_rank_kv_heads`: the split). Two layouts that differ only in their split hold the
+same bytes per head unit, so nodes of different TP sizes pair (`pairing_hash` leaves the split out;
+`check_compatible` compares everything else); which rank reads which heads from which peer rank is the node's
+business (node_common/sharded_kv.py), which refuses a split it cannot cover. A node's metadata is a *rank set*,
+every rank's envelope in rank order (a single-rank node's is its one envelope, as before):
+
+    b"TKVR" | version (1 byte) | number of ranks (1 byte) | per rank: length (4 bytes, big-endian) | envelope
 """
 
 from __future__ import annotations
@@ -33,7 +43,8 @@ from typing import Any
 from kvtransfer.base import MemoryKind
 from kvtransfer.errors import IncompatiblePeerError, InvalidMetadataError
 
-CONNECTOR_VERSION = "1"  # bump when the bytes a connector moves, or how, change incompatibly
+# bump when the bytes a connector moves, or how, change incompatibly (2: head-major blocks, regions of head units)
+CONNECTOR_VERSION = "2"
 ENVELOPE_VERSION = 1
 MAGIC = b"TKVP"
 _HEADER_LENGTH = struct.Struct(">I")
@@ -45,6 +56,12 @@ MAX_BUNDLE_PARTS = 8
 _BUNDLE_HEAD = struct.Struct(">4sBB")  # magic, version, number of parts
 _PART_LENGTH = struct.Struct(">I")
 _BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+RANK_SET_MAGIC = b"TKVR"
+RANK_SET_VERSION = 1
+MAX_RANKS = 64
+_RANK_SET_HEAD = struct.Struct(">4sBB")  # magic, version, number of ranks
+# the fields that say which heads a rank holds: nodes whose layouts differ only in these pair
+SPLIT_FIELDS = ("tp_size", "tp_rank", "kv_head_start", "num_rank_kv_heads")
 
 
 def layout_hash(model: str, dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -67,19 +84,41 @@ class KVLayout:
     tp_size: int
     connector_version: str = CONNECTOR_VERSION
     hash_seed: str = ""  # the cluster's prefix-hash seed (DESIGN §3 checks it in the handshake)
+    # the split: this rank of tp_size holds KV heads [kv_head_start, kv_head_start + num_rank_kv_heads)
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    num_rank_kv_heads: int = 0  # 0: all num_kv_heads (a single-rank pool)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "str" and not isinstance(value, str):
                 raise ValueError(f"KVLayout.{f.name} must be a str, got {value!r}")
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"KVLayout.{f.name} must be a positive int, got {value!r}")
+            minimum = 0 if f.name in SPLIT_FIELDS[1:] else 1
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+                raise ValueError(f"KVLayout.{f.name} must be an int >= {minimum}, got {value!r}")
+        if self.tp_rank >= self.tp_size or self.kv_head_start + self.rank_kv_heads > self.num_kv_heads:
+            last = self.kv_head_start + self.rank_kv_heads
+            raise ValueError(f"KVLayout: rank {self.tp_rank} of {self.tp_size} cannot hold KV heads "
+                             f"[{self.kv_head_start}, {last}) of {self.num_kv_heads}")
+
+    @property
+    def rank_kv_heads(self) -> int:
+        """How many KV heads this rank's pool holds (head units per block)."""
+        return self.num_rank_kv_heads or self.num_kv_heads
 
     @property
     def layout_hash(self) -> str:
         """The first 32 hex digits of the SHA-256 of the fields as JSON with sorted keys and no spaces."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+    @property
+    def pairing_hash(self) -> str:
+        """layout_hash of the fields without the split: equal for nodes whose head units mean the same bytes,
+        whatever their TP sizes (what a node publishes, and what a ticket names)."""
+        content = {k: v for k, v in asdict(self).items() if k not in SPLIT_FIELDS}
+        canonical = json.dumps(content, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +223,8 @@ def check_compatible(ours: PeerEnvelope, theirs: PeerEnvelope) -> None:
     if ours.backend != theirs.backend:
         differences.append(f"backend (ours {ours.backend!r}, peer {theirs.backend!r})")
     for f in fields(KVLayout):
+        if f.name in SPLIT_FIELDS:  # ranks of another split hold other heads, in units of the same bytes
+            continue
         mine, peer = getattr(ours.layout, f.name), getattr(theirs.layout, f.name)
         if mine != peer:
             differences.append(f"{f.name} (ours {mine!r}, peer {peer!r})")
@@ -256,3 +297,44 @@ def select_envelope(metadata: bytes, backend: str) -> tuple[PeerEnvelope, bytes]
         raise InvalidMetadataError(f"the auto peer {envelope.agent_name!r}'s {backend} part is an envelope of "
                                    f"backend {inner.backend!r} for agent {inner.agent_name!r}")
     return inner, part
+
+
+def encode_rank_set(envelopes: list[bytes]) -> bytes:
+    """A node's metadata: one rank's envelope as it is, several ranks' as a rank set (in rank order)."""
+    if not 0 < len(envelopes) <= MAX_RANKS:
+        raise ValueError(f"a rank set holds 1 to {MAX_RANKS} envelopes, got {len(envelopes)}")
+    if len(envelopes) == 1:
+        return bytes(envelopes[0])
+    chunks = [_RANK_SET_HEAD.pack(RANK_SET_MAGIC, RANK_SET_VERSION, len(envelopes))]
+    for envelope in envelopes:
+        chunks += [_PART_LENGTH.pack(len(envelope)), bytes(envelope)]
+    return b"".join(chunks)
+
+
+def decode_rank_set(data: bytes) -> list[bytes]:
+    """Every rank's envelope bytes from a node's metadata (one for a plain envelope); InvalidMetadataError (never
+    anything else) when the bytes are neither."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidMetadataError(f"peer metadata must be bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if not data.startswith(RANK_SET_MAGIC):
+        return [data]
+    if len(data) < _RANK_SET_HEAD.size:
+        raise InvalidMetadataError("the peer's rank set is truncated")
+    _, version, num_ranks = _RANK_SET_HEAD.unpack_from(data)
+    if version != RANK_SET_VERSION or not 0 < num_ranks <= MAX_RANKS:
+        raise InvalidMetadataError(f"the peer's rank set (version {version}, {num_ranks} ranks) is not one this "
+                                   f"node reads (version {RANK_SET_VERSION}, 1 to {MAX_RANKS} ranks)")
+    envelopes, offset = [], _RANK_SET_HEAD.size
+    for rank in range(num_ranks):
+        if offset + _PART_LENGTH.size > len(data):
+            raise InvalidMetadataError(f"the peer's rank set is truncated at rank {rank}")
+        (length,) = _PART_LENGTH.unpack_from(data, offset)
+        offset += _PART_LENGTH.size
+        if length == 0 or offset + length > len(data):
+            raise InvalidMetadataError(f"the peer's rank set has an empty or truncated envelope for rank {rank}")
+        envelopes.append(data[offset:offset + length])
+        offset += length
+    if offset != len(data):
+        raise InvalidMetadataError(f"the peer's rank set has {len(data) - offset} stray bytes")
+    return envelopes

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ATTENTION_BACKENDS, DEVICE_CHOICES, LOAD_FORMATS, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
@@ -61,6 +61,10 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (decode nodes draft and verify; '
                              "prefill nodes, whose requests end at their first token, ignore it). It turns "
                              "--async-scheduling off")
+    parser.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int,
+                        default=engine["tensor_parallel_size"], metavar="N",
+                        help="tensor-parallel ranks of this node: N processes, each with its slice of the weights "
+                             "and of the KV pool (one GPU each on a GPU machine)")
     parser.add_argument("--num-threads", type=int, default=None, metavar="N",
                         help="torch CPU (intra-op) threads of this process (default: torch's, from OMP_NUM_THREADS "
                              "or one per core; tandem serve sets it from how its nodes share the machine, see "
@@ -86,6 +90,8 @@ def parse_node_args(parser: argparse.ArgumentParser, argv: list[str] | None = No
     args, cluster = parse_args_with(parser, ClusterSettings, argv)
     if args.num_threads is not None and args.num_threads < 1:
         parser.error(f"--num-threads must be at least 1, got {args.num_threads}")
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
     args.cluster = cluster
     return args
 
@@ -100,7 +106,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
@@ -125,6 +132,16 @@ def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
     except (ValueError, GpuMemoryError) as e:  # ModelConfigError and DeviceError are ValueErrors
         logger.debug("the engine did not start", exc_info=True)
         raise SystemExit(f"{role} node: cannot start the engine: {e}") from None
+
+
+def close_node(connector: Any, engine: LLMEngine) -> None:
+    """At shutdown: every rank's transfer agent, then the engine's worker ranks."""
+    try:
+        connector.close()
+    except Exception:  # noqa: BLE001 - a worker rank already gone: the engine's close below still runs
+        logger.warning("closing the KV connector failed", exc_info=True)
+    finally:
+        engine.close()
 
 
 def node_id(args: argparse.Namespace, role: str) -> str:

@@ -8,8 +8,8 @@ import logging
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import PinnedBlocks
-from node_common.kv import block_checksums, kv_layout, open_connector
-from node_common.options import add_node_args, load_engine, node_id, parse_node_args
+from node_common.kv import block_checksums, node_layout_hash, open_connector
+from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from prefill_node.loop import PrefillLoop
@@ -30,8 +30,8 @@ def main() -> None:
     setup_logging(args.log_level)
     name = node_id(args, "prefill")
     engine = load_engine(args, "prefill")
-    layout_hash = kv_layout(engine).layout_hash
-    connector, region, metadata = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
+    layout_hash = node_layout_hash(engine)
+    connector, _, metadata = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
     address = advertised_address(args)  # what the registry holds, and what decode nodes call for lease RPCs
 
     def make_ticket(ticket_id: str, pinned: PinnedBlocks, deadline: float) -> KVTicket:
@@ -39,7 +39,7 @@ def main() -> None:
         return KVTicket(ticket_id=ticket_id, prefill_node_id=name, prefill_address=address,
                         incarnation=loop.incarnation, transfer_endpoint=metadata, block_ids=tuple(blocks),
                         num_tokens=pinned.num_tokens, layout_hash=layout_hash, lease_deadline=deadline,
-                        block_checksums=block_checksums(region, blocks))
+                        block_checksums=block_checksums(engine, blocks))
 
     async_engine = AsyncEngine(engine)
     # the owner of registered memory must keep the transfer library progressing (ENV-NOTES: NIXL)
@@ -50,7 +50,8 @@ def main() -> None:
                             loop.incarnation, pod_uid=environment.pod_uid() or "")
 
     run_node(args, async_engine, identity,
-             lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(service, server), connector.close)
+             lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(service, server),
+             lambda: close_node(connector, engine))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 NODE_GPU_MEMORY_UTILIZATION = ENGINE_DEFAULTS["gpu_memory_utilization"]
 # node flags tandem serve sets itself for each node (from --node-gpus and --gpu-memory-utilization)
 _SERVE_NODE_FLAGS = {"--device": "--node-gpus (Ray gives each node its GPU; 0 runs nodes on CPU)",
-                     "--gpu-memory-utilization": "--gpu-memory-utilization"}
+                     "--gpu-memory-utilization": "--gpu-memory-utilization",
+                     "--tp": "--tp, --prefill-tp or --decode-tp (Ray places a bundle per rank)",
+                     "--tensor-parallel-size": "--tp, --prefill-tp or --decode-tp (Ray places a bundle per rank)"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,10 @@ class ServeConfig:
     prefill_nodes: int = setting(1, "number of prefill nodes", minimum=0, metavar="N")
     decode_nodes: int = setting(1, "number of decode nodes", minimum=0, metavar="M")
     tp: int = setting(1, "tensor-parallel ranks per node (one placement bundle each)", minimum=1, metavar="N")
+    prefill_tp: int | None = setting(None, "tensor-parallel ranks of each prefill node (default: --tp)", minimum=1,
+                                     metavar="N")
+    decode_tp: int | None = setting(None, "tensor-parallel ranks of each decode node (default: --tp); a decode node "
+                                          "pulls its heads from prefill nodes of any TP size", minimum=1, metavar="N")
     host: str = setting("127.0.0.1", "address the proxy listens on", metavar="H")
     port: int = setting(8000, "port the proxy listens on", minimum=1, metavar="P")
     ray_address: str = setting("local", "Ray cluster to join ('local' starts one on this machine)", metavar="ADDR")
@@ -101,6 +107,11 @@ class ServeConfig:
             extra += ("--speculative-config", self.speculative_config)
         return extra
 
+    def tp_of(self, role: str) -> int:
+        """The TP size of a role's nodes ("prefill" or "decode")."""
+        own = self.prefill_tp if role == "prefill" else self.decode_tp
+        return own if own is not None else self.tp
+
     def node_gpu_memory_utilization(self) -> float | None:
         """What each node on a GPU is told to take of it (None: the node's own default, 0.9)."""
         if self.gpu_memory_utilization is not None:
@@ -115,7 +126,7 @@ class ServeConfig:
         prefill and one decode node runs on a one-GPU machine, each node with half its memory."""
         if self.node_gpus is not None or num_gpus <= 0:
             return self
-        num_ranks = max(1, (self.prefill_nodes + self.decode_nodes) * self.tp)
+        num_ranks = max(1, self.prefill_nodes * self.tp_of("prefill") + self.decode_nodes * self.tp_of("decode"))
         share = 1.0 if num_ranks <= num_gpus else 1.0 / math.ceil(num_ranks / num_gpus)
         return dataclasses.replace(self, node_gpus=share)
 

@@ -1,9 +1,11 @@
 """Paged attention: the metadata a step carries, the backend seam, and the plain-torch backend.
 
 KV cache layout (one tensor per rank, block-major so one block of every layer is one contiguous region and a run
-of blocks is one transfer descriptor):
+of blocks is one transfer descriptor; head-major within a block, so one KV head of a block, all layers, is one
+contiguous *head unit*: a tensor-parallel rank's slice of a block is a run of head units, and a node of another
+TP size pulls the heads it owns as such runs, node_common/sharded_kv.py):
 
-    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]
 
 A layer sees strided views `k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]`.
 Token `t` of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`; its flat
@@ -130,8 +132,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dtype = attention_dtype(q)
     # index_select along blocks is a memcpy per block and leaves [B, L, Hkv, D] contiguous (gathering K and
     # V in one op is no cheaper: splitting them afterwards costs another copy)
-    keys = k_cache.index_select(0, flat_table).view(batch, -1, num_kv_heads, head_dim).to(dtype)
-    values = v_cache.index_select(0, flat_table).view(batch, -1, num_kv_heads, head_dim).to(dtype)
+    keys = k_cache.index_select(0, flat_table).reshape(batch, -1, num_kv_heads, head_dim).to(dtype)
+    values = v_cache.index_select(0, flat_table).reshape(batch, -1, num_kv_heads, head_dim).to(dtype)
     key_pos = torch.arange(keys.shape[1], device=q.device)
     query_pos = (seq_lens.long() - 1)[:, None]
     allowed = key_pos[None, :] <= query_pos

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import RopeConfig
+from engine.layers.linear import RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +48,9 @@ def linear(layer: nn.Linear, x: torch.Tensor, fused: bool, silu_mul_input: bool 
     if fused and x.shape[0] == 1:
         from engine.kernels.gemv import gemv  # needs triton: imported where it runs
 
-        return gemv(x, layer.weight, layer.bias, silu_mul_input=silu_mul_input)
+        out = gemv(x, layer.weight, layer.bias, silu_mul_input=silu_mul_input)
+        # a row-parallel layer's partial products are summed over the ranks, as its own forward does
+        return layer.parallel.all_reduce(out) if isinstance(layer, RowParallelLinear) else out
     assert not silu_mul_input, "SiLU-and-mul fuses into a linear layer only for one token with the GPU kernels"
     return layer(x)
 

@@ -48,8 +48,10 @@ def widen_half_linears(model: nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (isinstance(child, nn.Linear) and child.weight.dtype in HALF_TYPES
-                    and child.weight.device.type == "cpu"):
+            # only layers whose forward is nn.Linear's own: a row-parallel layer's forward also sums over the
+            # tensor-parallel ranks, which a WidenedLinear would drop
+            if (isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward
+                    and child.weight.dtype in HALF_TYPES and child.weight.device.type == "cpu"):
                 setattr(parent, name, WidenedLinear(child))
                 replaced += 1
     return replaced

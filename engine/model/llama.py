@@ -3,6 +3,10 @@
 Inputs are flat: every scheduled token of every sequence in one [T] row, with its position; the paged KV cache
 and the step's AttentionMetadata say which tokens see which. Module names follow transformers' checkpoints,
 except q/k/v and gate/up, which are fused (the loader stacks them).
+
+Tensor parallelism (engine/layers/linear.py): a rank holds its heads' q/k/v rows and o_proj columns, and its
+slice of the MLP's intermediate features; o_proj and down_proj sum over the ranks (one all-reduce each per
+layer). On one rank (`SINGLE_RANK`) every layer is a plain torch one.
 """
 
 from __future__ import annotations
@@ -13,18 +17,28 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.basic import RMSNorm, RotaryEmbedding, linear, silu_and_mul
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    HeadSplit,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+    vocab_shard,
+)
+from engine.parallel.context import SINGLE_RANK, ParallelContext
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, parallel: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        split = HeadSplit.of(cfg.num_heads, cfg.num_kv_heads, parallel.tp_rank, parallel.tp_size)
+        self.num_heads = split.num_q_heads  # this rank's
+        self.num_kv_heads = split.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, parallel)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, rotary.fused) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, rotary.fused) if cfg.qk_norm else None
         self.rotary = rotary
@@ -45,10 +59,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, fused: bool) -> None:
+    def __init__(self, cfg: ModelConfig, fused: bool, parallel: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        _, intermediate = parallel.shard(cfg.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, cfg.mlp_bias, parallel)
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,10 +74,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, parallel: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
-        self.mlp = MLP(cfg, rotary.fused)
+        self.self_attn = Attention(cfg, rotary, parallel)
+        self.mlp = MLP(cfg, rotary.fused, parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
 
@@ -81,21 +96,26 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool, parallel: ParallelContext = SINGLE_RANK
+                 ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, fused)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, parallel) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, fused_kernels: bool = False) -> None:
-        """fused_kernels: RMSNorm, RoPE and SiLU-and-mul as Triton kernels (the GPU path)."""
+    def __init__(self, cfg: ModelConfig, max_positions: int, fused_kernels: bool = False,
+                 parallel: ParallelContext = SINGLE_RANK) -> None:
+        """fused_kernels: RMSNorm, RoPE and SiLU-and-mul as Triton kernels (the GPU path). parallel: this rank
+        among the node's tensor-parallel ranks."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions, fused_kernels)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.parallel = parallel
+        self.model = DecoderModel(cfg, max_positions, fused_kernels, parallel)
+        _, vocab_rows = vocab_shard(cfg.vocab_size, parallel)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -111,4 +131,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[B, hidden] -> [B, vocab] float32 logits, on every rank."""
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.parallel)

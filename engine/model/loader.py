@@ -1,6 +1,7 @@
 """Builds a model: architecture lookup, then weights from safetensors (single or sharded), a GGUF file
 (engine/model/gguf_loader.py) or dummy. Both checkpoint kinds arrive as (Hugging Face name, tensor) pairs, so one
-loop fills the model."""
+loop fills the model. A tensor-parallel rank copies only its slice of each checkpoint tensor (`_rank_slice`: the
+split engine/layers/linear.py describes)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from torch import nn
 
 from engine.config import ModelConfig, ModelConfigError
 from engine.layers.cpu_linear import widen_half_linears
+from engine.layers.linear import HeadSplit, vocab_shard
 from engine.model.gguf_loader import gguf_tensors, is_gguf_model
 from engine.model.llama import LlamaForCausalLM
+from engine.parallel.context import SINGLE_RANK, ParallelContext
 
 # Every supported architecture is a variant of one decoder; the differences live in ModelConfig.
 _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
@@ -36,18 +39,19 @@ _STACKED = {
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                load_format: str, seed: int, fused_kernels: bool = False) -> LlamaForCausalLM:
+                load_format: str, seed: int, fused_kernels: bool = False,
+                parallel: ParallelContext = SINGLE_RANK) -> LlamaForCausalLM:
     with torch.device(device):
-        model = _ARCHITECTURES[cfg.architecture](cfg, max_positions, fused_kernels)
+        model = _ARCHITECTURES[cfg.architecture](cfg, max_positions, fused_kernels, parallel)
     model.to(dtype=dtype)
     # the rotary table stays float32 whatever the weights are (transformers computes it in float32)
     for module in model.modules():
         if hasattr(module, "cos_sin"):
             module.cos_sin = module.cos_sin.float()
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        _init_dummy(model, seed + parallel.tp_rank)
     else:
-        load_weights(model, cfg)
+        load_weights(model, cfg, parallel)
     if device.type == "cpu":
         widen_half_linears(model)  # after loading: the checkpoint fills the nn.Linear parameters by name
     return model.eval()
@@ -88,14 +92,14 @@ def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, cfg: ModelConfig) -> None:
+def load_weights(model: nn.Module, cfg: ModelConfig, parallel: ParallelContext = SINGLE_RANK) -> None:
     params = dict(model.named_parameters())
     # every (parameter, shard) the checkpoint must provide; shard None = the whole parameter
     missing: set[tuple[str, int | None]] = set()
     for name in params:
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
-        num_shards = len(_shard_sizes(name, cfg)) if _is_fused(name) else 0
+        num_shards = len(_shard_sizes(name, cfg, parallel)) if _is_fused(name) else 0
         missing |= {(name, i) for i in range(num_shards)} if num_shards else {(name, None)}
     tensors = gguf_tensors(cfg) if is_gguf_model(cfg) else _checkpoint_tensors(cfg.path)
     for name, tensor in tensors:
@@ -109,7 +113,9 @@ def load_weights(model: nn.Module, cfg: ModelConfig) -> None:
         param = params.get(target)
         if param is None:
             raise ModelConfigError(f"checkpoint tensor {name!r} does not belong to {cfg.architecture}")
-        dest = param.data if shard is None else _shard_of(param.data, target, shard, cfg)
+        dest = param.data if shard is None else _shard_of(param.data, target, shard, cfg, parallel)
+        if parallel.is_parallel:
+            tensor = _rank_slice(target, shard, tensor, cfg, parallel)
         if dest.shape != tensor.shape:
             raise ModelConfigError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                    f"the config implies {tuple(dest.shape)}")
@@ -124,13 +130,46 @@ def _is_fused(name: str) -> bool:
     return ".qkv_proj." in name or ".gate_up_proj." in name
 
 
-def _shard_sizes(target: str, cfg: ModelConfig) -> list[int]:
+def _shard_sizes(target: str, cfg: ModelConfig, parallel: ParallelContext = SINGLE_RANK) -> list[int]:
+    """The sizes (this rank's) of a fused parameter's parts along its output rows."""
     if ".qkv_proj." in target:
-        kv = cfg.num_kv_heads * cfg.head_dim
-        return [cfg.num_heads * cfg.head_dim, kv, kv]
-    return [cfg.intermediate_size, cfg.intermediate_size]
+        split = HeadSplit.of(cfg.num_heads, cfg.num_kv_heads, parallel.tp_rank, parallel.tp_size)
+        kv = split.num_kv_heads * cfg.head_dim
+        return [split.num_q_heads * cfg.head_dim, kv, kv]
+    _, intermediate = parallel.shard(cfg.intermediate_size)
+    return [intermediate, intermediate]
 
 
-def _shard_of(data: torch.Tensor, target: str, shard: int, cfg: ModelConfig) -> torch.Tensor:
-    sizes = _shard_sizes(target, cfg)
+def _shard_of(data: torch.Tensor, target: str, shard: int, cfg: ModelConfig,
+              parallel: ParallelContext = SINGLE_RANK) -> torch.Tensor:
+    sizes = _shard_sizes(target, cfg, parallel)
     return data.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+
+def _rank_slice(target: str, shard: int | None, tensor: torch.Tensor, cfg: ModelConfig,
+                parallel: ParallelContext) -> torch.Tensor:
+    """This rank's part of a whole checkpoint tensor (`shard`: which part of a fused parameter it fills)."""
+    head_dim = cfg.head_dim
+    if ".qkv_proj." in target:
+        split = HeadSplit.of(cfg.num_heads, cfg.num_kv_heads, parallel.tp_rank, parallel.tp_size)
+        if shard == 0:
+            return tensor.narrow(0, split.q_start * head_dim, split.num_q_heads * head_dim)
+        return tensor.narrow(0, split.kv_start * head_dim, split.num_kv_heads * head_dim)
+    if ".gate_up_proj." in target:
+        return tensor.narrow(0, *parallel.shard(cfg.intermediate_size))
+    is_row_parallel = ".o_proj." in target or ".down_proj." in target
+    if is_row_parallel and target.endswith(".bias"):
+        # the partial outputs are summed over the ranks: the bias is added by rank 0 alone
+        return tensor if parallel.is_driver else torch.zeros_like(tensor)
+    if ".o_proj." in target:
+        split = HeadSplit.of(cfg.num_heads, cfg.num_kv_heads, parallel.tp_rank, parallel.tp_size)
+        return tensor.narrow(1, split.q_start * head_dim, split.num_q_heads * head_dim)
+    if ".down_proj." in target:
+        return tensor.narrow(1, *parallel.shard(cfg.intermediate_size))
+    if target in ("model.embed_tokens.weight", "lm_head.weight"):
+        start, rows = vocab_shard(cfg.vocab_size, parallel)
+        out = tensor.new_zeros((rows, *tensor.shape[1:]))  # the last rank's rows past the vocabulary stay zero
+        available = max(0, min(rows, tensor.shape[0] - start))
+        out[:available] = tensor[start:start + available]
+        return out
+    return tensor  # norms: every rank holds them whole

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from ray.util.placement_group import remove_placement_group
+from ray.util.placement_group import placement_group_table, remove_placement_group
 
 from cluster.pools import Node, NodeLaunch, PoolManager
 
@@ -26,9 +26,9 @@ def ray_with_two_gpus() -> Iterator[None]:
             ray.shutdown()
 
 
-def placed(gpus_per_rank: float, count: int) -> tuple[PoolManager, list[Node]]:
+def placed(gpus_per_rank: float, count: int, tp: int = 1) -> tuple[PoolManager, list[Node]]:
     launch = NodeLaunch(model="/m", registry_url="redis://127.0.0.1:1/0", cpus_per_node=0.25,
-                        gpus_per_rank=gpus_per_rank)
+                        gpus_per_rank=gpus_per_rank, tp=tp)
     pools = PoolManager(launch, {"prefill": 0, "decode": 0})
     nodes = [Node(f"decode-{i}", "decode") for i in range(count)]
 
@@ -46,8 +46,9 @@ def visible_gpus(node: Node) -> str:
 
 def release(nodes: list[Node]) -> None:
     for node in nodes:
-        if node.actor is not None:
-            ray.kill(node.actor)
+        for actor in [node.actor, *node.rank_holders]:
+            if actor is not None:
+                ray.kill(actor)
         if node.placement is not None:
             remove_placement_group(node.placement)
 
@@ -71,3 +72,16 @@ def test_half_gpu_nodes_are_packed_two_on_each_gpu_and_a_fifth_finds_no_room(ray
             asyncio.run(pools.place(extra, timeout_s=2))
     finally:
         release([*nodes, extra])
+
+
+def test_a_tp_node_is_one_strict_pack_placement_group_with_a_bundle_per_rank(ray_with_two_gpus: None) -> None:
+    pools, nodes = placed(1.0, 1, tp=2)
+    try:
+        table = placement_group_table(nodes[0].placement)
+        assert table["strategy"] == "STRICT_PACK"
+        assert list(table["bundles"].values()) == [{"CPU": 0.125, "GPU": 1.0}] * 2
+        # the node process sees both ranks' GPUs, its own first (rank r runs on cuda:r)
+        assert sorted(visible_gpus(nodes[0]).split(",")) == ["0", "1"]
+        assert pools.room() == 1
+    finally:
+        release(nodes)

@@ -25,10 +25,11 @@ def envelope(**changes: Any) -> PeerEnvelope:
 
 def test_layout_hash_is_the_documented_sha256_of_the_canonical_fields() -> None:
     # the documented scheme, written out by hand: sha256 of the fields as sorted, compact JSON; first 32 hex digits
-    canonical = ('{"block_size":16,"connector_version":"1","dtype":"bfloat16","hash_seed":"","head_dim":64,'
-                 '"model":"llama-tiny","num_kv_heads":2,"num_layers":4,"tp_size":1}')
+    canonical = ('{"block_size":16,"connector_version":"2","dtype":"bfloat16","hash_seed":"","head_dim":64,'
+                 '"kv_head_start":0,"model":"llama-tiny","num_kv_heads":2,"num_layers":4,"num_rank_kv_heads":0,'
+                 '"tp_rank":0,"tp_size":1}')
     expected = hashlib.sha256(canonical.encode()).hexdigest()[:32]
-    assert CONNECTOR_VERSION == "1"
+    assert CONNECTOR_VERSION == "2"
     assert LAYOUT.layout_hash == expected
     assert layout_hash(model="llama-tiny", dtype="bfloat16", num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
                        tp_size=1) == expected
@@ -40,7 +41,7 @@ def test_layout_hash_changes_with_every_field() -> None:
     variants = [{**fields, name: value} for name, value in [
         ("model", "other"), ("dtype", "float32"), ("num_layers", 5), ("num_kv_heads", 4), ("head_dim", 128),
         ("block_size", 32), ("tp_size", 2)]]
-    hashes = {layout_hash(**v) for v in variants} | {layout_hash(**fields, connector_version="2"),
+    hashes = {layout_hash(**v) for v in variants} | {layout_hash(**fields, connector_version="3"),
                                                      layout_hash(**fields, hash_seed="s")}
     assert len(hashes) == len(variants) + 2 and LAYOUT.layout_hash not in hashes
 

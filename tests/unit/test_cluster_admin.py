@@ -79,9 +79,10 @@ def test_gpu_nodes_fit_as_many_as_the_gpus_hold(gpus: int, node_gpus: float, roo
         pools.scale({"decode": room + 1})
 
 
-def test_serve_refuses_tensor_parallelism_with_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["serve", "--tp", "2"]) == 2
-    assert "--tp above 1 needs tensor parallelism in the engine" in capsys.readouterr().err
+def test_serve_refuses_a_tp_flag_in_node_args_naming_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--node-args", "--tp 2"]) == 2
+    assert "tandem serve sets each node's --tp itself: use its --tp, --prefill-tp or --decode-tp" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(("cpus", "node_cpus", "room"), [(2, 0.5, 4), (64, 0.5, 128), (3, 1.0, 3), (8, 3.0, 2)])

@@ -129,3 +129,25 @@ def test_a_node_asked_for_cuda_on_a_machine_without_it_exits_with_the_reason(tin
     assert done.returncode == 1
     assert "decode node: cannot start the engine: device 'cuda': this machine has no CUDA device" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("argv", "prefill_tp", "decode_tp"), [
+    (("--tp", "2"), 2, 2),
+    (("--prefill-tp", "2"), 2, 1),
+    (("--tp", "2", "--decode-tp", "1"), 2, 1),
+])
+def test_serve_gives_each_role_its_tensor_parallel_size(argv: tuple[str, ...], prefill_tp: int, decode_tp: int) -> None:
+    config = serve_config(*argv)
+    launch = NodeLaunch(model="/m", registry_url="redis://r", cluster=config.cluster, tp=config.tp,
+                        role_tp={role: config.tp_of(role) for role in ("prefill", "decode")})
+    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+        node = node_args(*node_command(launch, role, f"{role}-0", "127.0.0.1", 1)[5:])
+        assert engine_config(node).tensor_parallel_size == tp
+    # GPUs: a rank each, counted per role (2 prefill ranks + 1 decode rank fit 3 GPUs whole)
+    assert serve_config("--prefill-tp", "2").placed_on(3).node_gpus == 1.0
+
+
+def test_node_tp_flag_and_its_alias_set_the_engines_tensor_parallel_size() -> None:
+    assert engine_config(node_args("--tp", "2")).tensor_parallel_size == 2
+    assert engine_config(node_args("--tensor-parallel-size", "4")).tensor_parallel_size == 4
+    assert engine_config(node_args()).tensor_parallel_size == 1
