@@ -1,4 +1,5 @@
-"""The Llama family as one decoder: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm, explicit head_dim).
+"""The Llama family as one decoder: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm, explicit head_dim),
+and their mixture-of-experts kin Qwen2-MoE, Qwen3-MoE and Mixtral (a SparseMoeBlock where the MLP was).
 
 Inputs are flat: every scheduled token of every sequence in one [T] row, with its position; the paged KV cache
 and the step's AttentionMetadata say which tokens see which. Module names follow transformers' checkpoints,
@@ -13,6 +14,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 from engine.layers.basic import RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.layers.moe import SparseMoeBlock
+from engine.parallel.context import SINGLE_RANK, ParallelContext
 
 
 class Attention(nn.Module):
@@ -56,10 +59,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer_index: int = 0,
+                 parallel: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rotary)
-        self.mlp = MLP(cfg, rotary.fused)
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.is_sparse_layer(layer_index):
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, round_weights=cfg.architecture != "MixtralForCausalLM",
+                                      fused=rotary.fused, parallel=parallel)
+        else:
+            self.mlp = MLP(cfg, rotary.fused)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
 
@@ -78,20 +87,22 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool,
+                 parallel: ParallelContext = SINGLE_RANK) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, fused)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i, parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, fused_kernels: bool = False) -> None:
-        """fused_kernels: RMSNorm, RoPE and SiLU-and-mul as Triton kernels (the GPU path)."""
+    def __init__(self, cfg: ModelConfig, max_positions: int, fused_kernels: bool = False,
+                 parallel: ParallelContext = SINGLE_RANK) -> None:
+        """fused_kernels: RMSNorm, RoPE, SiLU-and-mul and the MoE experts as Triton kernels (the GPU path)."""
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions, fused_kernels)
+        self.model = DecoderModel(cfg, max_positions, fused_kernels, parallel)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

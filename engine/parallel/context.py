@@ -54,5 +54,18 @@ class ParallelContext:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_to_all(self, x: torch.Tensor, output_splits: list[int] | None = None,
+                   input_splits: list[int] | None = None) -> torch.Tensor:
+        """Rows input_splits[r] of `x` (in order) go to rank r; returns the rows every rank sent here, in rank
+        order (output_splits[r] from rank r). Splits None: equal shares. Identity on one rank."""
+        if not self.is_parallel:
+            return x
+        import torch.distributed as dist
+
+        rows = sum(output_splits) if output_splits is not None else x.shape[0]
+        out = x.new_empty((rows, *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=self.group)
+        return out
+
 
 SINGLE_RANK = ParallelContext()
