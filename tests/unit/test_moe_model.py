@@ -17,7 +17,8 @@ from engine.config import ModelConfig, ModelConfigError
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy_cached
 
 ARCHS = ("qwen2_moe", "qwen3_moe", "mixtral")
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # one length, so transformers decodes them as one cached batch (its MoE forward is slow on CPU)
 PROMPTS = [[17, 250, 3, 999, 42, 7], [600, 601, 602, 5, 88, 140], [901, 13, 13, 77, 402, 333]]
 
@@ -27,7 +28,7 @@ def test_greedy_matches_transformers(tiny_model: TinyModelFactory, arch: str) ->
     model = tiny_model(arch)
     llm = LLM(model=str(model), dtype="float32", block_size=4, max_num_batched_tokens=8)  # chunked prefill too
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    expected = hf_greedy_cached(model, PROMPTS, GREEDY.max_tokens)
+    expected = hf_greedy_cached(model, PROMPTS, MAX_TOKENS)
     assert len({t for row in expected for t in row}) > 4, "the oracle's output should not be one repeated token"
     assert tokens == expected
 
