@@ -52,6 +52,9 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights of the shapes the model's config.json gives (no weights files)")
     parser.add_argument("--enforce-eager", action="store_true", default=engine["enforce_eager"],
                         help="no CUDA graphs for decode steps")
+    parser.add_argument("--enable-expert-parallel", action="store_true", default=engine["enable_expert_parallel"],
+                        help="a mixture-of-experts model's experts split whole across the node's tensor-parallel "
+                             "ranks (tokens travel to them) instead of each expert split across every rank")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=engine["async_scheduling"], help="prepare and launch step N+1 while the device "
                         "runs step N (default: on with a GPU, off on CPU, where nothing runs in parallel)")
@@ -82,7 +85,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
         attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        enable_expert_parallel=args.enable_expert_parallel)
 
 
 def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:

@@ -17,6 +17,7 @@ from engine.layers.cpu_linear import widen_half_linears
 from engine.layers.moe import SparseMoeBlock
 from engine.model.gguf_loader import gguf_tensors, is_gguf_model
 from engine.model.llama import LlamaForCausalLM
+from engine.parallel.context import SINGLE_RANK, ParallelContext
 
 # Every supported architecture is a variant of one decoder; the differences live in ModelConfig.
 _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
@@ -40,9 +41,10 @@ _STACKED = {
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
-                load_format: str, seed: int, fused_kernels: bool = False) -> LlamaForCausalLM:
+                load_format: str, seed: int, fused_kernels: bool = False,
+                parallel: ParallelContext = SINGLE_RANK) -> LlamaForCausalLM:
     with torch.device(device):
-        model = _ARCHITECTURES[cfg.architecture](cfg, max_positions, fused_kernels)
+        model = _ARCHITECTURES[cfg.architecture](cfg, max_positions, fused_kernels, parallel)
     model.to(dtype=dtype)
     # the rotary table stays float32 whatever the weights are (transformers computes it in float32)
     for module in model.modules():

@@ -67,3 +67,15 @@ def test_a_checkpoint_missing_an_expert_is_refused(tiny_model: TinyModelFactory,
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelConfigError, match=r"lacks weights: .*layers\.1\.mlp\.experts\.3\.up"):
         LLM(model=str(tmp_path), dtype="float32")
+
+
+def test_enable_expert_parallel_reaches_the_engine_config_from_the_node_flag() -> None:
+    import argparse
+
+    from node_common.options import add_node_args, engine_config, parse_node_args
+
+    parser = argparse.ArgumentParser()
+    add_node_args(parser)
+    flagged = engine_config(parse_node_args(parser, ["--model", "/m", "--port", "1", "--enable-expert-parallel"]))
+    plain = engine_config(parse_node_args(parser, ["--model", "/m", "--port", "1"]))
+    assert (flagged.enable_expert_parallel, plain.enable_expert_parallel) == (True, False)
