@@ -59,8 +59,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer_index: int = 0,
-                 parallel: ParallelContext = SINGLE_RANK) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, parallel: ParallelContext = SINGLE_RANK,
+                 layer_index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rotary)
         self.mlp: nn.Module
@@ -92,7 +92,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, fused)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, i, parallel) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, parallel, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
 
