@@ -12,6 +12,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "all_to_all")
 MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -256,6 +257,8 @@ class EngineConfig:
     # vLLM's knob: a mixture-of-experts model's experts are split across the tensor-parallel ranks (each rank
     # holds whole experts, tokens travel to them) instead of every expert's intermediate dim being split
     enable_expert_parallel: bool = False
+    # vLLM's name: how expert parallelism dispatches tokens and combines the experts' outputs (engine/layers/moe.py)
+    all2all_backend: str = "allgather_reducescatter"
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -267,6 +270,8 @@ class EngineConfig:
                                                 f"got {self.load_format!r}")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.all2all_backend in ALL2ALL_BACKENDS,
+              f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
         check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
               f"block_size must be a power of two, got {self.block_size}")
         check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")

@@ -9,10 +9,16 @@ leaves them), two layouts, chosen by ParallelContext.expert_parallel:
 - TP-sharded experts (default): every rank holds every expert, each with its slice of the intermediate dim,
   runs all of a token's experts on its slice and the partial sums meet in one all-reduce of [T, H]. The shared
   expert is split the same way and joins that all-reduce.
-- Expert parallel: rank r holds whole experts r*E/n .. (r+1)*E/n - 1. Each rank routes its own slice of the
-  tokens, an all-to-all dispatches each (token, expert) row to the expert's rank, the experts run, a second
-  all-to-all brings the rows back, the owner combines them with the routing weights (and adds the shared
-  expert, held whole by every rank), and an all-gather gives every rank every token's output again.
+- Expert parallel: rank r holds whole experts r*E/n .. (r+1)*E/n - 1, and the shared expert whole; rank r owns
+  (routes, and adds the shared expert for) tokens r*ceil(T/n) onwards. ParallelContext.all2all_backend:
+  - "allgather_reducescatter": the all-gather of the tokens is already done (every rank has them all), each
+    rank runs its experts on the (token, expert) pairs it holds, and the combine is a reduce-scatter to the
+    owners plus an all-gather back, i.e. one all-reduce of [T, H]: the bytes of the TP-sharded layout.
+  - "all_to_all": the owner routes its tokens, an all-to-all dispatches each (token, expert) row to the
+    expert's rank, a second brings the outputs back, the owner combines them with the routing weights, and an
+    all-gather gives every rank every token. About K times the bytes of the above while tokens are replicated;
+    the layout for when attention becomes data-parallel and each rank has tokens of its own.
+(bench/moe_comm.py measures both.)
 """
 
 from __future__ import annotations
@@ -98,28 +104,37 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H], the same on every rank -> [T, H], the same on every rank."""
-        if self.expert_parallel:
-            return self._forward_expert_parallel(x)
+        if self.expert_parallel and self.parallel.all2all_backend == "all_to_all":
+            return self._forward_all_to_all(x)
         weights, ids = route(self.gate(x), self.moe.num_experts_per_tok, self.moe.norm_topk_prob,
                              self.round_weights)
-        out = run_experts(x, self.w13, self.w2, weights, ids, self.fused)
-        out = self._add_shared(x, out)
+        # the pairs of this rank's experts (all of them, TP-sharded); a partial sum of every token's output
+        out = run_experts(x, self.w13, self.w2, weights, ids, self.fused, self.expert_start, self.moe.num_experts)
+        if not self.expert_parallel:
+            out = self._add_shared(x, out)  # this rank's slice of the shared expert
+        elif self.shared_expert is not None:
+            own = self._own_tokens(x.shape[0])  # the whole shared expert, for the tokens this rank owns
+            out[own] = self._add_shared(x[own], out[own])
         return self.parallel.all_reduce(out)
+
+    def _own_tokens(self, num_tokens: int) -> slice:
+        per_rank = -(-num_tokens // self.parallel.tp_size)
+        start = min(self.parallel.tp_rank * per_rank, num_tokens)
+        return slice(start, min(start + per_rank, num_tokens))
 
     def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None or self.shared_expert_gate is None:
             return out
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
-    def _forward_expert_parallel(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         parallel = self.parallel
         num_ranks, num_local = parallel.tp_size, self.num_local_experts
         num_tokens, hidden = x.shape
         if num_tokens == 0:  # the same on every rank: no collective is skipped by one rank only
             return torch.zeros_like(x)
         per_rank = -(-num_tokens // num_ranks)
-        start = min(parallel.tp_rank * per_rank, num_tokens)
-        own = x[start:min(start + per_rank, num_tokens)]  # [Ts, H] the tokens this rank routes and combines
+        own = x[self._own_tokens(num_tokens)]  # [Ts, H] the tokens this rank routes and combines
         weights, ids = route(self.gate(own), self.moe.num_experts_per_tok, self.moe.norm_topk_prob,
                              self.round_weights)
         top_k = ids.shape[1]

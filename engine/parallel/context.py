@@ -21,6 +21,9 @@ class ParallelContext:
     expert_parallel: bool = False
     # the torch.distributed group of this node's ranks; None when tp_size == 1
     group: Any = None
+    # how expert parallelism moves tokens to the experts' ranks and back (vLLM's all2all_backend):
+    # "allgather_reducescatter" or "all_to_all" (engine/layers/moe.py)
+    all2all_backend: str = "allgather_reducescatter"
 
     def __post_init__(self) -> None:
         assert 0 <= self.tp_rank < self.tp_size, f"rank {self.tp_rank} outside a group of {self.tp_size}"

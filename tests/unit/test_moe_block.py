@@ -1,5 +1,6 @@
 """The sparse MoE block equals transformers' own block (float32) for Qwen2-MoE, Qwen3-MoE and Mixtral: on one
-rank, and split over 2 gloo ranks both ways (TP-sharded experts; expert parallel with all-to-all dispatch).
+rank, and split over 2 gloo ranks every way (TP-sharded experts; expert parallel with either token exchange:
+one all-reduce over replicated tokens, or all-to-all dispatch and combine).
 
 The oracle blocks are transformers' modules with random weights; ours load those weights through the same
 path a checkpoint takes (transformers 5's stacked expert tensors), each rank keeping only its part.

@@ -69,13 +69,22 @@ def test_a_checkpoint_missing_an_expert_is_refused(tiny_model: TinyModelFactory,
         LLM(model=str(tmp_path), dtype="float32")
 
 
-def test_enable_expert_parallel_reaches_the_engine_config_from_the_node_flag() -> None:
+def test_expert_parallel_flags_reach_the_engine_config_with_vllms_defaults() -> None:
     import argparse
 
     from node_common.options import add_node_args, engine_config, parse_node_args
 
     parser = argparse.ArgumentParser()
     add_node_args(parser)
-    flagged = engine_config(parse_node_args(parser, ["--model", "/m", "--port", "1", "--enable-expert-parallel"]))
+    flagged = engine_config(parse_node_args(parser, ["--model", "/m", "--port", "1", "--enable-expert-parallel",
+                                                     "--all2all-backend", "all_to_all"]))
     plain = engine_config(parse_node_args(parser, ["--model", "/m", "--port", "1"]))
-    assert (flagged.enable_expert_parallel, plain.enable_expert_parallel) == (True, False)
+    assert (flagged.enable_expert_parallel, flagged.all2all_backend) == (True, "all_to_all")
+    assert (plain.enable_expert_parallel, plain.all2all_backend) == (False, "allgather_reducescatter")
+
+
+def test_an_unknown_all2all_backend_is_refused() -> None:
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="all2all_backend must be one of"):
+        EngineConfig(model="/m", all2all_backend="pplx")
