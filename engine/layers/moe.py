@@ -128,6 +128,10 @@ class SparseMoeBlock(nn.Module):
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _forward_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # the split sizes of an all-to-all are host values: a CUDA graph cannot replay them
+            raise RuntimeError("the all_to_all MoE exchange cannot run in a CUDA graph: use enforce_eager "
+                               "(--enforce-eager) or all2all_backend='allgather_reducescatter'")
         parallel = self.parallel
         num_ranks, num_local = parallel.tp_size, self.num_local_experts
         num_tokens, hidden = x.shape
