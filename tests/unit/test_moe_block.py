@@ -70,9 +70,11 @@ def rank_outputs(tmp_path_factory: pytest.TempPathFactory) -> RankOutputs:
     return [torch.load(work_dir / f"rank{rank}.pt") for rank in range(NUM_RANKS)]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("arch", list(ORACLES))
-def test_single_rank_block_matches_transformers(arch: str) -> None:
-    block = engine_block(arch, _oracle_state(arch), SINGLE_RANK)
+def test_single_rank_block_matches_transformers(arch: str, fused: bool) -> None:
+    # triton: the fused MoE and SiLU-and-mul kernels, interpreted (TRITON_INTERPRET=1, tests/conftest.py)
+    block = engine_block(arch, _oracle_state(arch), SINGLE_RANK, fused)
     for num_tokens in TOKEN_COUNTS:
         with torch.no_grad():
             torch.testing.assert_close(block(inputs(num_tokens)), _expected(arch, num_tokens), rtol=1e-5, atol=1e-5)
