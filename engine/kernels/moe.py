@@ -185,7 +185,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    tiles = tiles or pick_tiles(num_pairs, num_local, x.device)
+    # a pair goes to any of the ids' experts: the rows an expert here gets on average
+    tiles = tiles or pick_tiles(num_pairs, num_experts or num_local, x.device)
     aligned = align_pairs(topk_ids, num_local, expert_start, tiles.block_m)
     num_blocks = aligned.block_expert_ids.numel()
     precision = dot_precision(x.dtype)
