@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.spec_decode.config import SpeculativeConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "all_to_all")
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -33,6 +37,26 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP as transformers defines it for Qwen2-MoE, Qwen3-MoE and Mixtral: softmax over
+    the router's logits, the top `num_experts_per_tok` experts, their weights renormalised to sum to one when
+    `norm_topk_prob` (always for Mixtral), plus (Qwen2-MoE) a shared expert scaled by sigmoid(its gate)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int  # of each routed expert (`moe_intermediate_size`; Mixtral's `intermediate_size`)
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # a layer is sparse when it is not in mlp_only_layers and (index + 1) is a multiple of decoder_sparse_step;
+    # the others keep a dense MLP of the model's `intermediate_size`
+    decoder_sparse_step: int = 1
+    mlp_only_layers: frozenset[int] = frozenset()
+
+    def is_sparse_layer(self, layer_index: int) -> bool:
+        return layer_index not in self.mlp_only_layers and (layer_index + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,7 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
     config_dtype: str | None
+    moe: MoeConfig | None = None  # None: every layer has a dense MLP
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -115,8 +140,10 @@ class ModelConfig:
         sliding_window = raw.get("sliding_window")
         if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
             sliding_window = None  # Qwen2 configs carry a window they do not use unless asked
-        if arch in ("Qwen3ForCausalLM",) and not raw.get("use_sliding_window", False):
+        if arch in ("Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") \
+                and not raw.get("use_sliding_window", False):
             sliding_window = None
+        moe = _moe_config(arch, raw, positive)
 
         eos = raw.get("eos_token_id")
         eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -125,7 +152,9 @@ class ModelConfig:
             architecture=arch,
             vocab_size=positive("vocab_size", need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=positive("intermediate_size", need("intermediate_size")),
+            # Mixtral's intermediate_size is its experts'; a model whose layers are all sparse needs no dense size
+            intermediate_size=positive("intermediate_size", raw.get("intermediate_size") or (
+                moe.intermediate_size if moe is not None else need("intermediate_size"))),
             num_layers=positive("num_hidden_layers", need("num_hidden_layers")),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -135,16 +164,48 @@ class ModelConfig:
                                              raw.get("max_position_embeddings", 4096)),
             rope=_rope_config(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always biases q/k/v (never o); the Llama family follows `attention_bias` for all four
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
+            # Qwen2 always biases q/k/v (never o), Qwen2-MoE as its `qkv_bias` says; the Llama family (and
+            # Qwen3-MoE) follows `attention_bias` for all four, Mixtral has none
+            qkv_bias=arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(raw.get("qkv_bias", True)))
+            or (arch not in ("Qwen2MoeForCausalLM", "MixtralForCausalLM") and bool(raw.get("attention_bias", False))),
+            o_proj_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+            and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding_window,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             config_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            moe=moe,
         )
+
+
+def _moe_config(arch: str, raw: dict[str, Any], positive: Callable[[str, Any], int]) -> MoeConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    # transformers writes Qwen3-MoE's expert count as `num_local_experts` (its attribute map), Qwen's own
+    # checkpoints as `num_experts`; Mixtral's is `num_local_experts`
+    num_experts = positive("num_experts", raw.get("num_experts") or raw.get("num_local_experts"))
+    top_k = positive("num_experts_per_tok", raw.get("num_experts_per_tok"))
+    if top_k > num_experts:
+        raise ModelConfigError(f"config.json: num_experts_per_tok ({top_k}) exceeds num_experts ({num_experts})")
+    if arch == "MixtralForCausalLM":
+        return MoeConfig(num_experts=num_experts, num_experts_per_tok=top_k,
+                         intermediate_size=positive("intermediate_size", raw.get("intermediate_size")),
+                         norm_topk_prob=True)
+    mlp_only = raw.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+        raise ModelConfigError(f"config.json: mlp_only_layers must be a list of layer indices, got {mlp_only!r}")
+    shared = (raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        intermediate_size=positive("moe_intermediate_size", raw.get("moe_intermediate_size")),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=positive("shared_expert_intermediate_size", shared) if shared else 0,
+        decoder_sparse_step=positive("decoder_sparse_step", raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=frozenset(mlp_only),
+    )
 
 
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
@@ -202,6 +263,11 @@ class EngineConfig:
     # vLLM's name: the ranks a node's model is split over (engine/parallel/executor.py); each holds its heads'
     # slice of the weights and of the KV pool. Rank 0 is this process; the others are worker processes.
     tensor_parallel_size: int = 1
+    # vLLM's knob: a mixture-of-experts model's experts are split across the tensor-parallel ranks (each rank
+    # holds whole experts, tokens travel to them) instead of every expert's intermediate dim being split
+    enable_expert_parallel: bool = False
+    # vLLM's name: how expert parallelism dispatches tokens and combines the experts' outputs (engine/layers/moe.py)
+    all2all_backend: str = "allgather_reducescatter"
 
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
@@ -213,6 +279,8 @@ class EngineConfig:
                                                 f"got {self.load_format!r}")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.all2all_backend in ALL2ALL_BACKENDS,
+              f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
         check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
               f"block_size must be a power of two, got {self.block_size}")
         check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")

@@ -13,7 +13,7 @@ import logging
 import socket
 from typing import TYPE_CHECKING, Any
 
-from engine.config import ATTENTION_BACKENDS, DEVICE_CHOICES, LOAD_FORMATS, EngineConfig
+from engine.config import ALL2ALL_BACKENDS, ATTENTION_BACKENDS, DEVICE_CHOICES, LOAD_FORMATS, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 from node_common.limits import add_limit_args
 from node_common.registrar import add_registry_args
@@ -53,6 +53,13 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights of the shapes the model's config.json gives (no weights files)")
     parser.add_argument("--enforce-eager", action="store_true", default=engine["enforce_eager"],
                         help="no CUDA graphs for decode steps")
+    parser.add_argument("--enable-expert-parallel", action="store_true", default=engine["enable_expert_parallel"],
+                        help="a mixture-of-experts model's experts split whole across the node's tensor-parallel "
+                             "ranks (tokens travel to them) instead of each expert split across every rank")
+    parser.add_argument("--all2all-backend", default=engine["all2all_backend"], choices=ALL2ALL_BACKENDS,
+                        help="expert parallelism's token exchange: allgather_reducescatter (every rank runs its "
+                             "experts on every token, one all-reduce) or all_to_all (each token's rows travel to "
+                             "their experts' ranks and back)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=engine["async_scheduling"], help="prepare and launch step N+1 while the device "
                         "runs step N (default: on with a GPU, off on CPU, where nothing runs in parallel)")
@@ -107,7 +114,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)
 
 
 def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:

@@ -102,3 +102,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] (gate then up) -> [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+    """Routed experts, one at a time, as transformers runs them.
+
+    x: [T, H]; w13: [E, 2I, H] (each expert's gate rows, then its up rows); w2: [E, H, I];
+    topk_weights, topk_ids: [T, K]. This rank holds experts expert_start .. expert_start + E - 1: a pair routed
+    to any other expert adds nothing. Each pair's output is scaled by its weight and the K of a token summed
+    in float32 -> [T, H] in x's dtype."""
+    num_local = w13.shape[0]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local_ids = topk_ids.long() - expert_start
+    for expert in local_ids.unique().tolist():
+        if not 0 <= expert < num_local:
+            continue
+        token_idx, k_idx = torch.where(local_ids == expert)
+        gate_up = x[token_idx] @ w13[expert].t()
+        expert_out = silu_and_mul(gate_up) @ w2[expert].t()
+        out.index_add_(0, token_idx, expert_out.float() * topk_weights[token_idx, k_idx, None].float())
+    return out.to(x.dtype)

@@ -1,4 +1,5 @@
-"""The Llama family as one decoder: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm, explicit head_dim).
+"""The Llama family as one decoder: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm, explicit head_dim),
+and their mixture-of-experts kin Qwen2-MoE, Qwen3-MoE and Mixtral (a SparseMoeBlock where the MLP was).
 
 Inputs are flat: every scheduled token of every sequence in one [T] row, with its position; the paged KV cache
 and the step's AttentionMetadata say which tokens see which. Module names follow transformers' checkpoints,
@@ -25,6 +26,7 @@ from engine.layers.linear import (
     gather_logits,
     vocab_shard,
 )
+from engine.layers.moe import SparseMoeBlock
 from engine.parallel.context import SINGLE_RANK, ParallelContext
 
 
@@ -74,10 +76,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, parallel: ParallelContext = SINGLE_RANK) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, parallel: ParallelContext = SINGLE_RANK,
+                 layer_index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rotary, parallel)
-        self.mlp = MLP(cfg, rotary.fused, parallel)
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.is_sparse_layer(layer_index):
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, round_weights=cfg.architecture != "MixtralForCausalLM",
+                                      fused=rotary.fused, parallel=parallel)
+        else:
+            self.mlp = MLP(cfg, rotary.fused, parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
 
@@ -101,15 +109,15 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, fused)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, parallel) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, parallel, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fused)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, fused_kernels: bool = False,
                  parallel: ParallelContext = SINGLE_RANK) -> None:
-        """fused_kernels: RMSNorm, RoPE and SiLU-and-mul as Triton kernels (the GPU path). parallel: this rank
-        among the node's tensor-parallel ranks."""
+        """fused_kernels: RMSNorm, RoPE, SiLU-and-mul and the MoE experts as Triton kernels (the GPU path).
+        parallel: this rank among the node's tensor-parallel ranks."""
         super().__init__()
         self.config = cfg
         self.parallel = parallel

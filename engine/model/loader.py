@@ -16,6 +16,7 @@ from torch import nn
 from engine.config import ModelConfig, ModelConfigError
 from engine.layers.cpu_linear import widen_half_linears
 from engine.layers.linear import HeadSplit, vocab_shard
+from engine.layers.moe import SparseMoeBlock
 from engine.model.gguf_loader import gguf_tensors, is_gguf_model
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.context import SINGLE_RANK, ParallelContext
@@ -26,6 +27,9 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }
 
 # checkpoint name fragment -> (our fused parameter, shard index within it)
@@ -93,9 +97,12 @@ def _checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_weights(model: nn.Module, cfg: ModelConfig, parallel: ParallelContext = SINGLE_RANK) -> None:
-    params = dict(model.named_parameters())
+    # MoE blocks place their own weights (experts stacked, split across ranks); they name what they still need
+    moe_blocks = {prefix: m for prefix, m in model.named_modules() if isinstance(m, SparseMoeBlock)}
+    params = {name: p for name, p in model.named_parameters() if _moe_block_of(name, moe_blocks) is None}
     # every (parameter, shard) the checkpoint must provide; shard None = the whole parameter
-    missing: set[tuple[str, int | None]] = set()
+    missing: set[tuple[str, int | None]] = {(f"{prefix}.{slot}", None) for prefix, block in moe_blocks.items()
+                                            for slot in block.checkpoint_slots()}
     for name in params:
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -104,6 +111,11 @@ def load_weights(model: nn.Module, cfg: ModelConfig, parallel: ParallelContext =
     tensors = gguf_tensors(cfg) if is_gguf_model(cfg) else _checkpoint_tensors(cfg.path)
     for name, tensor in tensors:
         if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for its MoE block
+        if (prefix := _moe_block_of(name, moe_blocks)) is not None:
+            filled = moe_blocks[prefix].load_checkpoint_weight(name[len(prefix) + 1:], tensor)
+            missing -= {(f"{prefix}.{slot}", None) for slot in filled}
             continue
         target, shard = name, None
         for fragment, (fused, index) in _STACKED.items():
@@ -124,6 +136,12 @@ def load_weights(model: nn.Module, cfg: ModelConfig, parallel: ParallelContext =
     if missing:
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
         raise ModelConfigError(f"checkpoint lacks weights: {names[:5]}{' ...' if len(names) > 5 else ''}")
+
+
+def _moe_block_of(name: str, moe_blocks: dict[str, SparseMoeBlock]) -> str | None:
+    """The prefix of the MoE block a parameter or checkpoint name falls in (`model.layers.3.mlp`), if any."""
+    head, sep, _ = name.partition(".mlp.")
+    return head + ".mlp" if sep and head + ".mlp" in moe_blocks else None
 
 
 def _is_fused(name: str) -> bool:

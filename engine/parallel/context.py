@@ -40,6 +40,9 @@ class ParallelContext:
     tp_rank: int = 0
     tp_size: int = 1
     expert_parallel: bool = False
+    # how expert parallelism moves tokens to the experts' ranks and back (vLLM's all2all_backend):
+    # "allgather_reducescatter" or "all_to_all" (engine/layers/moe.py)
+    all2all_backend: str = "allgather_reducescatter"
     # the torch.distributed group of this node's ranks; None when tp_size == 1
     group: Any = None
     # a gloo group of the same ranks for host-side messages (step commands, objects); the device group on CPU
@@ -64,6 +67,20 @@ class ParallelContext:
         assert total % self.tp_size == 0, f"{total} does not split evenly over {self.tp_size} ranks"
         size = total // self.tp_size
         return self.tp_rank * size, size
+
+    def all_to_all(self, x: torch.Tensor, output_splits: list[int] | None = None,
+                   input_splits: list[int] | None = None) -> torch.Tensor:
+        """Rows input_splits[r] of `x` (in order) go to rank r; returns the rows every rank sent here, in rank
+        order (output_splits[r] from rank r). Splits None: equal shares. Identity on one rank."""
+        if not self.is_parallel:
+            return x
+        import torch.distributed as dist
+
+        self.stats.add("all_to_all", x)
+        rows = sum(output_splits) if output_splits is not None else x.shape[0]
+        out = x.new_empty((rows, *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=self.group)
+        return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; identity on one rank."""

@@ -78,7 +78,8 @@ class WorkerSpec:
 _STEP, _CALL, _STOP = "step", "call", "stop"
 
 
-def init_parallel(rank: int, world_size: int, init_method: str, device_type: str) -> ParallelContext:
+def init_parallel(rank: int, world_size: int, init_method: str, device_type: str,
+                  config: EngineConfig | None = None) -> ParallelContext:
     """Joins the node's process group: NCCL between GPUs (and a gloo group for host messages), gloo on CPU."""
     import torch.distributed as dist
 
@@ -89,7 +90,9 @@ def init_parallel(rank: int, world_size: int, init_method: str, device_type: str
                             timeout=_COLLECTIVE_TIMEOUT)
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT) if backend == "nccl" else group
-    return ParallelContext(tp_rank=rank, tp_size=world_size, group=group, cpu_group=cpu_group)
+    return ParallelContext(tp_rank=rank, tp_size=world_size, group=group, cpu_group=cpu_group,
+                           expert_parallel=config is not None and config.enable_expert_parallel,
+                           all2all_backend=config.all2all_backend if config is not None else "allgather_reducescatter")
 
 
 def _free_port() -> int:
@@ -121,7 +124,7 @@ class TensorParallelWorkers:
             process.stdin.close()
             self.processes.append(process)
         try:
-            self.parallel = init_parallel(0, world_size, init_method, device_type)
+            self.parallel = init_parallel(0, world_size, init_method, device_type, config)
         except Exception:
             self._kill()
             raise

@@ -34,7 +34,7 @@ def main() -> None:
     from engine.device import resolve_device
 
     device_type = resolve_device(spec.config.device).type
-    parallel = init_parallel(spec.rank, spec.world_size, spec.init_method, device_type)
+    parallel = init_parallel(spec.rank, spec.world_size, spec.init_method, device_type, spec.config)
     runner = ModelRunner(spec.config, spec.model_config, spec.max_model_len, parallel=parallel)
     try:
         worker_loop(runner, parallel)
