@@ -13,6 +13,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# vLLM's names for the KV cache's storage: auto (the model's dtype) or FP8 e4m3 with per-row power-of-two scales
+# (engine/layers/kv_fp8.py); "fp8" means e4m3, as in vLLM
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 # auto: CUDA when there is one, else CPU. Whether the device exists is checked when the engine starts
 # (engine/device.py), so a config can be written on a machine without it.
 DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
@@ -183,6 +187,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     device: str = "auto"
     hash_seed: str = "tandem"
     skip_tokenizer_init: bool = False
@@ -194,6 +199,10 @@ class EngineConfig:
     # off on CPU, where nothing runs concurrently with the host.
     async_scheduling: bool | None = None
 
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
             if not ok:
@@ -204,6 +213,7 @@ class EngineConfig:
                                                 f"got {self.load_format!r}")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, kv_cache_dtype_error(self.kv_cache_dtype))
         check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
               f"block_size must be a power of two, got {self.block_size}")
         check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
@@ -217,3 +227,11 @@ class EngineConfig:
               f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
         check(isinstance(self.device, str) and DEVICE_FORM.match(self.device) is not None,
               f"device must be {DEVICE_CHOICES}, got {self.device!r}")
+
+
+def kv_cache_dtype_error(value: object) -> str:
+    """The message for a kv_cache_dtype this engine does not take (vLLM's other values are named as such)."""
+    if value in ("fp8_e5m2", "fp8_inc", "fp8_ds_mla", "bfloat16"):
+        return (f"kv_cache_dtype {value!r} is not supported here; supported: {', '.join(KV_CACHE_DTYPES)} "
+                f"(fp8 is e4m3)")
+    return f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {value!r}"
