@@ -120,6 +120,18 @@ def test_triton_kernels_interpreted_on_an_fp8_cache_equal_the_oracle(model: Path
         oracle, prompts, 3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_gpu_fp8_cache_with_cuda_graphs_equals_the_oracle(model: Path, oracle: Any, enforce_eager: bool) -> None:
+    llm = LLM(model=str(model), dtype="float32", block_size=16, max_num_batched_tokens=32, max_num_seqs=8,
+              enforce_eager=enforce_eager, kv_cache_dtype="fp8")
+    assert type(llm.engine.runner.backend).__name__ == "TritonAttention"
+    assert (llm.engine.runner.graphs is None) == enforce_eager
+    prompts = random_prompts(5, seed=6, lengths=(1, 70))
+    assert greedy(llm, prompts) == oracle_greedy(oracle, prompts)
+
+
 def test_fp8_blocks_copied_as_bytes_to_another_engine_continue_the_request(model: Path, fp8_llm: LLM,
                                                                            oracle: Any) -> None:
     """A decode node's view: the prompt's blocks arrive as bytes (as a connector moves them); the scales inside the
