@@ -194,8 +194,8 @@ def test_checksums_of_the_read_blocks_match_on_both_sides(pair: Pair) -> None:
 
 def test_fp8_kv_blocks_with_their_scales_arrive_byte_for_byte(pair: Pair) -> None:
     """Blocks of a real FP8 KV pool (e4m3 values and the scale bytes inside each block, engine/layers/kv_fp8.py),
-    filled by the engine's quantizer: the connector moves them as bytes, so D's blocks must equal P's exactly and
-    read back as the same K/V."""
+    filled by the engine's quantizer: the connector moves them as bytes, so D's blocks must equal P's exactly (the
+    same bytes read back as the same K/V: the scales are in them)."""
     import torch
 
     from engine.kernels import reference
@@ -226,12 +226,6 @@ def test_fp8_kv_blocks_with_their_scales_arrive_byte_for_byte(pair: Pair) -> Non
         expected[local_ids] = fp8_blocks
         np.testing.assert_array_equal(after, expected)  # exactly these bytes, nowhere else
         assert pair.prefill.call("checksum", remote_ids) == pair.decode.call("checksum", local_ids)
-        landed = torch.from_numpy(after[local_ids].copy()).view(num_blocks, layers, 2, -1)
-        offset = kv_fp8.region_geometry(block_size, heads, dim)[0]
-        for layer, (k, v, k_scale, v_scale) in enumerate(views):
-            k_in, v_in, k_scale_in, v_scale_in = kv_fp8.fp8_views(landed[:, layer], block_size, heads, dim, offset)
-            assert torch.equal(kv_fp8.dequantize(k_in, k_scale_in), kv_fp8.dequantize(k, k_scale))
-            assert torch.equal(kv_fp8.dequantize(v_in, v_scale_in), kv_fp8.dequantize(v, v_scale))
     finally:  # later tests read P's blocks and expect its initial pattern
         pair.prefill.call("write_blocks", remote_ids, pair.prefill.initial_blocks()[remote_ids])
 
