@@ -6,15 +6,11 @@ arithmetic; the checksum; the handshake refusal; bad values refused with a clear
 from __future__ import annotations
 
 import argparse
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
-from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -27,33 +23,14 @@ from kvtransfer.errors import IncompatiblePeerError
 from kvtransfer.handshake import PeerEnvelope, check_compatible
 from node_common.kv import kv_layout
 from node_common.options import add_node_args, engine_config, parse_node_args
+from tests.fixtures.fp8_oracle import load_fp8_oracle, random_prompts, round_like_fp8_cache
+from tests.fixtures.fp8_oracle import oracle_greedy as fixture_oracle_greedy
 from tests.fixtures.tiny_models import TinyModelFactory
 from tests.unit.test_node_flags import launched_node, serve_config
 
 NUM_TOKENS = 8  # against the oracle, which recomputes every sequence for every token
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 AGREEMENT_TOKENS = 12
-ORACLE_ATTENTION = "tandem_fp8_kv_oracle"
-
-
-# ---- the oracle: transformers in float32, its K/V rounded to e4m3 with per-row power-of-two scales ----------------
-
-def round_like_fp8_cache(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] as the FP8 cache gives it back, derived independently of engine/layers/kv_fp8.py: each row is
-    divided by the smallest power of two 2**k with amax / 2**k <= 448 (k from frexp in float64, where amax / 448 is
-    exact enough never to cross a power of two), rounded to e4m3 by torch's cast, and multiplied back."""
-    amax = x.abs().amax(-1, keepdim=True).double()
-    mantissa, exponent = torch.frexp(amax / 448.0)  # amax / 448 = mantissa * 2**exponent, mantissa in [0.5, 1)
-    k = torch.where(mantissa > 0.5, exponent, exponent - 1).clamp(-126, 126)
-    scale = torch.where(amax > 0, torch.exp2(k.double()), torch.ones_like(amax)).float()
-    return (x / scale).to(torch.float8_e4m3fn).float() * scale
-
-
-def _fp8_kv_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                      **kwargs: Any) -> Any:
-    # key/value: [B, Hkv, S, D] after RoPE, what a cache stores
-    return eager_attention_forward(module, query, round_like_fp8_cache(key), round_like_fp8_cache(value), *args,
-                                   **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -63,27 +40,11 @@ def model(tiny_model: TinyModelFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def oracle(model: Path) -> Any:
-    AttentionInterface.register(ORACLE_ATTENTION, _fp8_kv_attention)
-    AttentionMaskInterface.register(ORACLE_ATTENTION, eager_mask)  # eager's additive float mask
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation=ORACLE_ATTENTION).eval()
+    return load_fp8_oracle(model)
 
 
 def oracle_greedy(oracle: Any, prompts: list[list[int]], num_tokens: int = NUM_TOKENS) -> list[list[int]]:
-    """Greedy tokens, each step recomputing the whole sequence (no cache of transformers' own to trust)."""
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(num_tokens):
-                ids.append(int(oracle(torch.tensor([ids])).logits[0, -1].argmax()))
-            outputs.append(ids[len(prompt):])
-    return outputs
-
-
-def random_prompts(count: int, seed: int, vocab_size: int = 1000, lengths: tuple[int, int] = (2, 40)
-                   ) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(rng.randrange(*lengths))] for _ in range(count)]
+    return fixture_oracle_greedy(oracle, prompts, num_tokens)
 
 
 def greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
