@@ -15,7 +15,9 @@ Why per row, and why a power of two (vLLM's default is one scale of 1.0 per laye
 - The scales travel with the blocks by construction: they live inside each block (below), so a transfer, the
   prefix cache and the KV checksum see them as part of the block's bytes.
 - It costs one byte per row (head_dim 128: 0.8% more than the e4m3 values alone), and its precision is e4m3's
-  relative step (2**-3 between neighbours, at most 2**-4 error) for every row's large values.
+  relative step (2**-3 between neighbours, at most 2**-4 error) for every row's large values. A power of two keeps
+  each value's mantissa, so wherever vLLM's scale of 1.0 neither saturates (> 448) nor goes subnormal (< 2**-6)
+  both store the same e4m3 digits; they differ only where 1.0 clips or loses precision.
 
 Pool: one uint8 tensor [num_blocks, num_layers, 2 (k, v), region_bytes]. A region (one block of one layer's K or
 V) holds the e4m3 values [block_size, num_kv_heads, head_dim], then, at a 16-byte aligned offset, the scale
