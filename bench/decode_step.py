@@ -1,11 +1,17 @@
 """A full decode step of a Llama-3.1-8B-shaped model (random bf16 weights) against the bandwidth floor.
 
-    python3 bench/decode_step.py [--batches 1,64] [--context 1024] [--sync] [--hf] [--out results.md]
+    python3 bench/decode_step.py [--batches 1,64] [--context 1024] [--kv-cache-dtype auto|fp8] [--sync] [--hf]
+                                 [--out results.md]
 
 The floor of a step is the bytes it must read (all weights + every sequence's K/V) over the HBM read
 bandwidth measured in the same run. Tandem's step is timed through the engine (CUDA graphs on, unless
 --eager; asynchronous scheduling on, unless --sync), sampling and host work included. --hf also times
-transformers' `generate` on the same shape.
+transformers' `generate` on the same shape. --kv-cache-dtype fp8 stores the KV cache as e4m3 with a scale byte
+per token and KV head (engine/layers/kv_fp8.py); the floor then counts those bytes. FP8 against bf16 KV at the
+issue's shape (batch 64, context 8k), one process each (each takes the GPU's memory):
+
+    python3 bench/decode_step.py --batches 64 --context 8192 --kv-cache-dtype auto
+    python3 bench/decode_step.py --batches 64 --context 8192 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -118,6 +124,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--hf", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -129,7 +136,8 @@ def main() -> None:
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
               max_num_batched_tokens=8192, max_model_len=args.context + args.steps + 64,
-              skip_tokenizer_init=True, enforce_eager=args.eager, async_scheduling=not args.sync)
+              skip_tokenizer_init=True, enforce_eager=args.eager, async_scheduling=not args.sync,
+              kv_cache_dtype=args.kv_cache_dtype)
     model = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # the issue's floor counts every weight; a step reads one row of the (untied) embedding table, so the
@@ -137,9 +145,13 @@ def main() -> None:
     embedding = model.model.embed_tokens.weight
     embedding_bytes = embedding.numel() * embedding.element_size()
     cfg = LLAMA_31_8B
-    kv_bytes_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    kv_rows_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"]
+    fp8 = llm.engine.kv_cache_dtype == "fp8_e4m3"
+    # bf16: 2 bytes a value; e4m3: 1 byte a value and 1 scale byte a row (block padding left out)
+    kv_bytes_per_token = kv_rows_per_token * (cfg["head_dim"] + 1 if fp8 else cfg["head_dim"] * 2)
     lines = [f"HBM read bandwidth (bf16 sum of 4 GiB): {bandwidth / 1e12:.2f} TB/s",
-             f"weights: {weight_bytes / 1e9:.2f} GB; context {args.context}; CUDA graphs: {not args.eager}; "
+             f"weights: {weight_bytes / 1e9:.2f} GB; context {args.context}; KV cache: {llm.engine.kv_cache_dtype} "
+             f"({llm.engine.runner.num_blocks} blocks); CUDA graphs: {not args.eager}; "
              f"asynchronous scheduling: {not args.sync}; strict floor: without the {embedding_bytes / 1e9:.2f} GB "
              "embedding table", "",
              "| batch | tandem ms/step | device work alone ms | floor ms/step | tandem/floor | strict floor ms "

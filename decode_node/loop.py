@@ -131,7 +131,9 @@ class DecodeLoop:
                        deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
         if ticket.layout_hash != self.layout_hash:
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} has KV layout {ticket.layout_hash}, "
-                                                     f"this node {self.layout_hash}")
+                                                     f"this node {self.layout_hash}: the prefill node's blocks "
+                                                     "differ in model, --dtype, --kv-cache-dtype, --block-size, "
+                                                     "--hash-seed or TP size")
         # The lease is confirmed on P while D reserves and pulls (the round trip is off the second token's path):
         # blocks pulled under a ticket that turns out not to be live are thrown away with the request, never
         # admitted (their checksums would not match either).

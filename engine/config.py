@@ -19,6 +19,10 @@ MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCa
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# vLLM's names for the KV cache's storage: auto (the model's dtype) or FP8 e4m3 with per-row power-of-two scales
+# (engine/layers/kv_fp8.py); "fp8" means e4m3, as in vLLM
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 # auto: CUDA when there is one, else CPU. Whether the device exists is checked when the engine starts
 # (engine/device.py), so a config can be written on a machine without it.
 DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
@@ -246,6 +250,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     device: str = "auto"
     hash_seed: str = "tandem"
     skip_tokenizer_init: bool = False
@@ -269,6 +274,10 @@ class EngineConfig:
     # vLLM's name: how expert parallelism dispatches tokens and combines the experts' outputs (engine/layers/moe.py)
     all2all_backend: str = "allgather_reducescatter"
 
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in FP8_KV_CACHE_DTYPES
+
     def __post_init__(self) -> None:
         def check(ok: bool, msg: str) -> None:
             if not ok:
@@ -281,6 +290,7 @@ class EngineConfig:
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         check(self.all2all_backend in ALL2ALL_BACKENDS,
               f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES, kv_cache_dtype_error(self.kv_cache_dtype))
         check(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
               f"block_size must be a power of two, got {self.block_size}")
         check(self.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive")
@@ -298,3 +308,11 @@ class EngineConfig:
         check(isinstance(self.device, str) and DEVICE_FORM.match(self.device) is not None,
               f"device must be {DEVICE_CHOICES}, got {self.device!r}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+
+def kv_cache_dtype_error(value: object) -> str:
+    """The message for a kv_cache_dtype this engine does not take (vLLM's other values are named as such)."""
+    if value in ("fp8_e5m2", "fp8_inc", "fp8_ds_mla", "bfloat16"):
+        return (f"kv_cache_dtype {value!r} is not supported here; supported: {', '.join(KV_CACHE_DTYPES)} "
+                f"(fp8 is e4m3)")
+    return f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {value!r}"

@@ -10,10 +10,11 @@ around to the pool's last block in torch's indexing).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
-from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     @torch.inference_mode()  # as the steps run: no autograd state recorded into the static buffers or the pool
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: LlamaForCausalLM, kv_caches: Sequence[KVCacheLayer],
                  backend: AttentionBackend, max_batch: int, max_blocks_per_seq: int,
                  sliding_window: int | None, padding_slot: int) -> None:
         device = model.lm_head.weight.device

@@ -137,6 +137,12 @@ class LLMEngine:
         """The KV pool, [num_blocks, ...] block-major (engine/layers/attention.py): what transfers register."""
         return self.runner.kv_cache
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the pool's blocks hold: the model dtype's name ("bfloat16", ...) or "fp8_e4m3" (e4m3 values with
+        their scales, engine/layers/kv_fp8.py). Nodes pair only with peers whose blocks hold the same."""
+        return self.runner.kv_cache_dtype
+
     # ---- requests in ----
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:

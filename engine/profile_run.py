@@ -16,29 +16,45 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers import kv_fp8
+from engine.layers.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.model.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow, noise_seed
 from engine.types import SamplingParams
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCaches = list[KVCacheLayer]
 
 
 def allocate_kv_pool(model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                     device: torch.device) -> tuple[torch.Tensor, KVCaches]:
-    """The pool and each layer's (k, v) views of it.
+                     device: torch.device, fp8: bool = False) -> tuple[torch.Tensor, KVCaches]:
+    """The pool and each layer's views of it.
 
-    storage: [num_blocks, num_kv_heads, num_layers, 2 (k, v), block_size, head_dim] (see layers/attention.py);
-    a layer's views are [num_blocks, block_size, num_kv_heads, head_dim] through strides."""
-    storage = torch.zeros((num_blocks, model_cfg.num_kv_heads, model_cfg.num_layers, 2, block_size,
-                           model_cfg.head_dim), dtype=dtype, device=device)
-    return storage, [(storage[:, :, i, 0].transpose(1, 2), storage[:, :, i, 1].transpose(1, 2))
-                     for i in range(model_cfg.num_layers)]
+    storage: [num_blocks, num_kv_heads, num_layers, 2 (k, v), block_size, head_dim] (see layers/attention.py), a
+    layer's views [num_blocks, block_size, num_kv_heads, head_dim] through strides; or with fp8 the uint8 pool of
+    engine/layers/kv_fp8.py (e4m3 values and their scales, in the same head-outermost order)."""
+    c = model_cfg
+    if fp8:
+        pool, views = kv_fp8.allocate_fp8_pool(num_blocks, c.num_layers, block_size, c.num_kv_heads, c.head_dim,
+                                               device)
+        return pool, [KVCacheLayer(*layer) for layer in views]
+    storage = torch.zeros((num_blocks, c.num_kv_heads, c.num_layers, 2, block_size, c.head_dim), dtype=dtype,
+                          device=device)
+    return storage, [KVCacheLayer(storage[:, :, i, 0].transpose(1, 2), storage[:, :, i, 1].transpose(1, 2))
+                     for i in range(c.num_layers)]
+
+
+def kv_block_bytes(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, fp8: bool = False) -> int:
+    """The bytes of one block of every layer's K and V in the pool allocate_kv_pool makes."""
+    c = model_cfg
+    if fp8:
+        return kv_fp8.fp8_block_bytes(c.num_layers, block_size, c.num_kv_heads, c.head_dim)
+    return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * dtype.itemsize
 
 
 def profile_step_bytes(model: LlamaForCausalLM, backend: AttentionBackend, model_cfg: ModelConfig,
                        block_size: int, dtype: torch.dtype, device: torch.device, max_num_batched_tokens: int,
-                       max_num_seqs: int, max_model_len: int, graph_batch: int, samples_per_seq: int = 1) -> int:
+                       max_num_seqs: int, max_model_len: int, graph_batch: int, samples_per_seq: int = 1,
+                       fp8_kv: bool = False) -> int:
     """The activation reserve: the peak a step allocates beyond the model (and the decode graphs' on top when
     `graph_batch` > 0). Leaves torch's cache empty, so the device's free memory is what the process does not
     hold. `samples_per_seq`: rows of logits a sequence may sample in one step (1 + its drafts with speculative
@@ -47,41 +63,39 @@ def profile_step_bytes(model: LlamaForCausalLM, backend: AttentionBackend, model
     # one sequence per max_model_len tokens: a single long prompt is the attention kernels' worst case
     seq_lens = [max_model_len] * (num_tokens // max_model_len) + [num_tokens % max_model_len]
     peak = _measure(model, backend, model_cfg, block_size, dtype, device, [n for n in seq_lens if n],
-                    num_sampled=min(max_num_seqs * samples_per_seq, num_tokens))
+                    num_sampled=min(max_num_seqs * samples_per_seq, num_tokens), fp8_kv=fp8_kv)
     if graph_batch > 0:
         peak += _measure(model, backend, model_cfg, block_size, dtype, device, [1] * graph_batch,
-                         num_sampled=graph_batch)
+                         num_sampled=graph_batch, fp8_kv=fp8_kv)
     return peak
 
 
 def _measure(model: LlamaForCausalLM, backend: AttentionBackend, model_cfg: ModelConfig, block_size: int,
-             dtype: torch.dtype, device: torch.device, seq_lens: list[int], num_sampled: int) -> int:
+             dtype: torch.dtype, device: torch.device, seq_lens: list[int], num_sampled: int,
+             fp8_kv: bool = False) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    run_dummy_step(model, backend, model_cfg, block_size, dtype, device, seq_lens, num_sampled)
+    run_dummy_step(model, backend, model_cfg, block_size, dtype, device, seq_lens, num_sampled, fp8_kv=fp8_kv)
     torch.cuda.synchronize(device)
     # the temporary pool was allocated within the measured span: the real pool has a budget of its own
-    peak = torch.cuda.max_memory_allocated(device) - before - _pool_bytes(model_cfg, seq_lens, block_size, dtype)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens)
+    pool_bytes = num_blocks * kv_block_bytes(model_cfg, block_size, dtype, fp8_kv)
+    peak = torch.cuda.max_memory_allocated(device) - before - pool_bytes
     torch.cuda.empty_cache()
     return max(0, peak)
 
 
-def _pool_bytes(model_cfg: ModelConfig, seq_lens: list[int], block_size: int, dtype: torch.dtype) -> int:
-    num_blocks = sum(-(-n // block_size) for n in seq_lens)
-    return (num_blocks * model_cfg.num_layers * 2 * block_size * model_cfg.num_kv_heads * model_cfg.head_dim
-            * dtype.itemsize)
-
-
 @torch.inference_mode()
 def run_dummy_step(model: LlamaForCausalLM, backend: AttentionBackend, model_cfg: ModelConfig, block_size: int,
-                   dtype: torch.dtype, device: torch.device, seq_lens: list[int], num_sampled: int) -> list[int]:
+                   dtype: torch.dtype, device: torch.device, seq_lens: list[int], num_sampled: int,
+                   fp8_kv: bool = False) -> list[int]:
     """One step of new sequences of `seq_lens` tokens (token 0) on a temporary pool, with logits and random
     sampling (top-k and top-p: the sampler's sort is its largest temporary) for its first `num_sampled` rows.
     Returns the sampled token ids."""
     seq_lens = sorted(seq_lens)  # one-token sequences first: the backends take them as the batch's decodes
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    _, kv_caches = allocate_kv_pool(model_cfg, sum(blocks_per_seq), block_size, dtype, device)
+    _, kv_caches = allocate_kv_pool(model_cfg, sum(blocks_per_seq), block_size, dtype, device, fp8=fp8_kv)
     input_ids, meta = _dummy_step(seq_lens, blocks_per_seq, block_size, device, model_cfg.sliding_window)
     positions = torch.cat([torch.arange(n, device=device) for n in seq_lens])
     hidden = model(input_ids, positions, kv_caches, meta, backend)

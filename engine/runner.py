@@ -27,12 +27,13 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import GpuMemoryError, check_free_memory, gib, plan_gpu_memory, resolve_device
+from engine.layers import kv_fp8
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.layers.linear import HeadSplit
 from engine.model.loader import build_model
 from engine.parallel.context import ParallelContext
 from engine.parallel.executor import StepInputs, TensorParallelWorkers, resolve_call
-from engine.profile_run import allocate_kv_pool, profile_step_bytes
+from engine.profile_run import allocate_kv_pool, kv_block_bytes, profile_step_bytes
 from engine.sampled_step import SampledStep
 from engine.sampler import Sampler, SamplingRow, TokenBitmask, noise_seed, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -95,6 +96,7 @@ class ModelRunner:
         # the KV pool holds this rank's KV heads only
         self.pool_cfg = dataclasses.replace(model_cfg, num_kv_heads=self.head_split.num_kv_heads)
         self.block_size = cfg.block_size
+        self.fp8_kv = cfg.fp8_kv_cache
         self.sliding_window = model_cfg.sliding_window
         backend_name = resolve_attention_backend(cfg.attention_backend, self.device)
         # the Triton layer kernels come with the Triton attention backend on a GPU; on CPU they would only
@@ -116,7 +118,7 @@ class ModelRunner:
             check_free_memory(torch.cuda.mem_get_info(self.device)[0], num_allocated * self.block_bytes,
                               f"a KV cache of {self.num_blocks} blocks")
         storage, self.kv_caches = allocate_kv_pool(self.pool_cfg, num_allocated, self.block_size, self.dtype,
-                                                   self.device)
+                                                   self.device, fp8=self.fp8_kv)
         self.kv_cache = storage[:self.num_blocks]
         self.sampler = Sampler()
         self.last_sampled: SampledStep | None = None  # the last launched step's samples: next inputs
@@ -125,13 +127,17 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, graph_batch,
                                        -(-max_model_len // self.block_size), self.sliding_window,
                                        padding_slot=self.num_blocks * self.block_size)
-        logger.info("model %s on %s in %s, %d KV blocks of %d tokens", model_cfg.architecture, self.device,
-                    self.dtype, self.num_blocks, self.block_size)
+        logger.info("model %s on %s in %s, %d KV blocks of %d tokens (%s)", model_cfg.architecture, self.device,
+                    self.dtype, self.num_blocks, self.block_size, self.kv_cache_dtype)
 
     @property
     def block_bytes(self) -> int:
-        c = self.pool_cfg
-        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return kv_block_bytes(self.pool_cfg, self.block_size, self.dtype, self.fp8_kv)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What a KV block holds, as the transfer handshake names it: the model dtype, or the FP8 format."""
+        return kv_fp8.FP8_LAYOUT_NAME if self.fp8_kv else str(self.dtype).removeprefix("torch.")
 
     def _default_num_blocks(self, cfg: EngineConfig, max_model_len: int, graph_batch: int) -> int:
         if cfg.kv_cache_memory_bytes is not None:
@@ -154,7 +160,8 @@ class ModelRunner:
         activation_bytes = profile_step_bytes(self.model, self.backend, self.pool_cfg, self.block_size, self.dtype,
                                               self.device, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                               max_model_len, graph_batch,
-                                              samples_per_seq=1 + (spec.num_speculative_tokens if spec else 0))
+                                              samples_per_seq=1 + (spec.num_speculative_tokens if spec else 0),
+                                              fp8_kv=self.fp8_kv)
         free, total = torch.cuda.mem_get_info(self.device)
         plan = plan_gpu_memory(total, cfg.gpu_memory_utilization, model_bytes, activation_bytes, free)
         if plan.kv_cache < self.block_bytes:

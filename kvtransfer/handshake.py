@@ -232,7 +232,17 @@ def check_compatible(ours: PeerEnvelope, theirs: PeerEnvelope) -> None:
         differences.append(f"block_bytes (ours {ours.block_bytes}, peer {theirs.block_bytes})")
     if differences:
         raise IncompatiblePeerError(f"refusing peer {theirs.agent_name!r}: layout_hash ours {ours.layout_hash}, "
-                                    f"peer {theirs.layout_hash}; differs in " + ", ".join(differences))
+                                    f"peer {theirs.layout_hash}; differs in " + ", ".join(differences)
+                                    + _fp8_hint(ours.layout.dtype, theirs.layout.dtype))
+
+
+def _fp8_hint(ours: str, theirs: str) -> str:
+    """Why an FP8 node and a 16/32-bit node cannot share blocks, and what to do (the likely cause of that dtype
+    mismatch is one node started without --kv-cache-dtype)."""
+    if ours.startswith("fp8") == theirs.startswith("fp8"):
+        return ""
+    return (f". An FP8 KV cache pairs only with FP8 (ours is {ours}, the peer's {theirs}): its blocks hold e4m3 "
+            f"values and their scales; start every node with the same --kv-cache-dtype")
 
 
 def encode_bundle(parts: Mapping[str, bytes]) -> bytes:

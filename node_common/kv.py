@@ -18,7 +18,7 @@ def _layout_fields(engine: LLMEngine) -> dict[str, Any]:
     # The model's identity: its architecture and shape (two copies of one model in different folders pair).
     identity = (f"{model.architecture}:{model.path.name}:{model.hidden_size}x{model.num_layers}"
                 f":{model.vocab_size}")
-    return {"model": identity, "dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
+    return {"model": identity, "dtype": engine.kv_cache_dtype,
             "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
             "block_size": engine.block_size, "hash_seed": engine.config.hash_seed}
 

@@ -107,7 +107,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     # Nodes see token ids only: the proxy tokenizes and detokenizes.
     cluster: ClusterSettings = args.cluster
     return EngineConfig(
-        model=args.model, dtype=cluster.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+        model=args.model, dtype=cluster.dtype, kv_cache_dtype=cluster.kv_cache_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, block_size=cluster.hashing.block_size,
         enable_prefix_caching=not args.no_prefix_caching, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
         attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True,

@@ -3,8 +3,8 @@ command line) and handed to every node (and, for prefix hashing, the proxy) as f
 
     HashingSettings    block size and prefix-hash seed: nodes and proxy must agree, or prefix routing misses
     TransportSettings  how the KV transfer library reaches peers (per backend options, never os.environ)
-    ClusterSettings    all that every node of the cluster takes: the two above, KV backend, dtype, drain timeout,
-                       and TLS (settings/tls.py: the nodes' servers, and their calls to other nodes)
+    ClusterSettings    all that every node of the cluster takes: the two above, KV backend, dtype, KV cache dtype,
+                       drain timeout, and TLS (settings/tls.py: the nodes' servers, and their calls to other nodes)
 
 Defaults equal the offline API's (`engine.config.EngineConfig`), so a node and `LLM(...)` behave alike.
 """
@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from settings.spec import ConfigError, group, setting
 from settings.tls import TLSSettings
 
@@ -103,6 +103,12 @@ class ClusterSettings:
                 "--kv-cross-host-backend for the others; it pairs with plain nodes of those two backends too)",
         choices=KV_BACKENDS)
     dtype: str = setting(ENGINE_DEFAULTS["dtype"], "model dtype", choices=DTYPES)
+    # cluster-wide: a prefill node's blocks are a decode node's, so both must store them alike (the handshake
+    # refuses a pair that does not)
+    kv_cache_dtype: str = setting(
+        ENGINE_DEFAULTS["kv_cache_dtype"], "KV cache storage, vLLM's values: auto (the model dtype) or fp8 (= "
+        "fp8_e4m3: e4m3 values with a power-of-two scale per token and KV head, about half of bf16's memory)",
+        choices=KV_CACHE_DTYPES)
     drain_timeout: float = setting(120.0, "seconds a leaving node may take to finish its requests", minimum=1.0,
                                    metavar="SECONDS")
     transport: TransportSettings = group(TransportSettings)

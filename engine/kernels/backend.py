@@ -39,8 +39,11 @@ class TritonAttention(AttentionBackend):
         self.dense_prefill_min_tokens = dense_prefill_min_tokens  # 0: never
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        # With an FP8 cache (k_scale, v_scale) the paged kernels read e4m3 K/V; a fresh prompt attended densely
+        # uses the step's own K/V, before quantization, as it never reads the cache
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_decodes = meta.num_decodes
         dense_from = self._dense_from(q, meta)
         starts = meta.query_start_loc_host
@@ -55,7 +58,8 @@ class TritonAttention(AttentionBackend):
         out = torch.empty_like(q)
         if num_decodes:
             self._decode(q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
-                         meta.seq_lens[:num_decodes], scale, meta.sliding_window, out=out[:num_decodes])
+                         meta.seq_lens[:num_decodes], scale, meta.sliding_window, out=out[:num_decodes],
+                         k_scale=k_scale, v_scale=v_scale)
         if meta.num_seqs > num_decodes:
             paged_query_lens = []
             for b in range(num_decodes, meta.num_seqs):
@@ -70,7 +74,7 @@ class TritonAttention(AttentionBackend):
                 self._prefill(q, k_cache, v_cache, meta.block_tables[num_decodes:],
                               meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
                               meta.sliding_window, out=out, max_query_len=max(paged_query_lens),
-                              dense_from=dense_from)
+                              dense_from=dense_from, k_scale=k_scale, v_scale=v_scale)
         return out
 
     def _dense_from(self, q: torch.Tensor, meta: AttentionMetadata) -> int:

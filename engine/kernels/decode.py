@@ -21,7 +21,9 @@ from engine.kernels.common import (
     attend_tile,
     check_cache,
     dot_precision,
+    fp8_scales,
     load_kv_tile,
+    load_scale_tile,
     num_sms,
     pad_dim,
     upcast_dots,
@@ -58,16 +60,18 @@ def default_decode_config(device: torch.device, dtype: torch.dtype) -> DecodeCon
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_ks_block, stride_ks_slot, stride_ks_head,
+    stride_vs_block, stride_vs_slot, stride_vs_head,
     stride_table_seq,
     stride_o_seq, stride_o_head, stride_o_dim,
     qk_scale, sliding_window, partition_size,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,6 +97,8 @@ def _decode_kernel(
     table = block_tables_ptr + seq * stride_table_seq
     k_base = k_cache_ptr + kv_head * stride_k_head + dims[None, :] * stride_k_dim
     v_base = v_cache_ptr + kv_head * stride_v_head + dims[None, :] * stride_v_dim
+    ks_base = k_scale_ptr + kv_head * stride_ks_head
+    vs_base = v_scale_ptr + kv_head * stride_vs_head
     for tile_start in range(start, end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_mask = keys < end
@@ -104,8 +110,10 @@ def _decode_kernel(
             kv_mask = key_mask[:, None] & (dims[None, :] < HEAD_DIM)
         k = load_kv_tile(k_base, page, slot, stride_k_block, stride_k_slot, kv_mask, True)
         v = load_kv_tile(v_base, page, slot, stride_v_block, stride_v_slot, kv_mask, True)
+        k_scale = load_scale_tile(ks_base, page, slot, stride_ks_block, stride_ks_slot, key_mask, True, FP8)
+        v_scale = load_scale_tile(vs_base, page, slot, stride_vs_block, stride_vs_slot, key_mask, True, FP8)
         m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, key_mask[None, :], qk_scale, True, PRECISION,
-                                    UPCAST)
+                                    UPCAST, k_scale, v_scale, FP8)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
@@ -162,14 +170,17 @@ def decode_partitions(config: DecodeConfig, num_multiprocessors: int, batch: int
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None, *, out: torch.Tensor | None = None,
-                           max_seq_len: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None, config: DecodeConfig | None = None,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence at position seq_lens[b] - 1 -> [B, Hq, D] (written into out).
 
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (0 gives a zero row). The partitioning is
     sized from max_seq_len, which defaults to the block table's capacity: no device sync, and the launch
     shape stays fixed for CUDA graphs. A max_seq_len below a real seq_len gives wrong results.
+    k_scale, v_scale: an FP8 cache's scale exponents (engine/kernels/kv_store.py); the math stays in q's dtype.
     """
     check_cache(k_cache, v_cache)
+    fp8, k_scales, v_scales = fp8_scales(k_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim:
@@ -189,12 +200,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_max = part_sum = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum, k_scales, v_scales,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_scales.stride(), *v_scales.stride(),
+        block_tables.stride(0), *out.stride(),
         scale * LOG2_E, sliding_window or 0, partition_size,
         GROUP=group, GROUP_PAD=pad_dim(group), HEAD_DIM=head_dim, DIM_PAD=pad_dim(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n, SLIDING=sliding_window is not None, SPLIT=split,
-        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.device),
+        PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.device), FP8=fp8,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:

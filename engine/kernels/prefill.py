@@ -26,7 +26,9 @@ from engine.kernels.common import (
     attend_tile,
     check_cache,
     dot_precision,
+    fp8_scales,
     load_kv_tile,
+    load_scale_tile,
     pad_dim,
     upcast_dots,
 )
@@ -52,34 +54,41 @@ def default_prefill_config(device: torch.device, dtype: torch.dtype) -> PrefillC
 @triton.jit
 def _attend_earlier_keys(q, m_i, l_i, acc, key_start, pos, table, k_base, v_base, stride_k_block, stride_k_slot,
                          stride_v_block, stride_v_slot, dim_mask, qk_scale, sliding_window,
+                         ks_base, vs_base, stride_ks_block, stride_ks_slot, stride_vs_block, stride_vs_slot,
                          HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, FP8: tl.constexpr):
     """Stage 1 step: keys [key_start, key_start + BLOCK_N), all before the query tile, so no causal mask."""
     keys = key_start + tl.arange(0, BLOCK_N)
     page = tl.load(table + keys // PAGE_SIZE).to(tl.int64)
     slot = keys % PAGE_SIZE
     k = load_kv_tile(k_base, page, slot, stride_k_block, stride_k_slot, dim_mask, DIM_PAD != HEAD_DIM)
     v = load_kv_tile(v_base, page, slot, stride_v_block, stride_v_slot, dim_mask, DIM_PAD != HEAD_DIM)
+    k_scale = load_scale_tile(ks_base, page, slot, stride_ks_block, stride_ks_slot, None, False, FP8)
+    v_scale = load_scale_tile(vs_base, page, slot, stride_vs_block, stride_vs_slot, None, False, FP8)
     if SLIDING:
         allowed = pos[:, None] - keys[None, :] < sliding_window
     else:
         allowed = None
-    return attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, SLIDING, PRECISION, UPCAST)
+    return attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, SLIDING, PRECISION, UPCAST, k_scale, v_scale,
+                       FP8)
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,
     stride_q_token, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+    stride_ks_block, stride_ks_slot, stride_ks_head,
+    stride_vs_block, stride_vs_slot, stride_vs_head,
     stride_table_seq,
     stride_o_token, stride_o_head, stride_o_dim,
     qk_scale, sliding_window, dense_from,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    UPCAST: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr,
 ):
     head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -113,6 +122,8 @@ def _prefill_kernel(
     k_base = k_cache_ptr + kv_head * stride_k_head + dims[None, :] * stride_k_dim
     v_base = v_cache_ptr + kv_head * stride_v_head + dims[None, :] * stride_v_dim
     dim_mask = dims[None, :] < HEAD_DIM
+    ks_base = k_scale_ptr + kv_head * stride_ks_head
+    vs_base = v_scale_ptr + kv_head * stride_vs_head
 
     # Stage 1: keys before the tile, all visible to every row (tile_start < seq_len, so no bounds masks).
     lo = 0
@@ -123,13 +134,15 @@ def _prefill_kernel(
             m_i, l_i, acc = _attend_earlier_keys(
                 q, m_i, l_i, acc, key_start, pos, table, k_base, v_base, stride_k_block, stride_k_slot,
                 stride_v_block, stride_v_slot, dim_mask, qk_scale, sliding_window,
-                HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, SLIDING, PRECISION, UPCAST)
+                ks_base, vs_base, stride_ks_block, stride_ks_slot, stride_vs_block, stride_vs_slot,
+                HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, SLIDING, PRECISION, UPCAST, FP8)
     else:
         for key_start in range(lo, tile_start, BLOCK_N):
             m_i, l_i, acc = _attend_earlier_keys(
                 q, m_i, l_i, acc, key_start, pos, table, k_base, v_base, stride_k_block, stride_k_slot,
                 stride_v_block, stride_v_slot, dim_mask, qk_scale, sliding_window,
-                HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, SLIDING, PRECISION, UPCAST)
+                ks_base, vs_base, stride_ks_block, stride_ks_slot, stride_vs_block, stride_vs_slot,
+                HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, SLIDING, PRECISION, UPCAST, FP8)
 
     # Stage 2: the diagonal, keys [tile_start, tile_start + BLOCK_M) under the causal mask.
     for key_start in range(tile_start, tl.minimum(tile_start + BLOCK_M, seq_len), BLOCK_N):
@@ -143,10 +156,13 @@ def _prefill_kernel(
             kv_mask = key_mask[:, None] & dim_mask
         k = load_kv_tile(k_base, page, slot, stride_k_block, stride_k_slot, kv_mask, True)
         v = load_kv_tile(v_base, page, slot, stride_v_block, stride_v_slot, kv_mask, True)
+        k_scale = load_scale_tile(ks_base, page, slot, stride_ks_block, stride_ks_slot, key_mask, True, FP8)
+        v_scale = load_scale_tile(vs_base, page, slot, stride_vs_block, stride_vs_slot, key_mask, True, FP8)
         allowed = keys[None, :] <= pos[:, None]
         if SLIDING:
             allowed = allowed & (pos[:, None] - keys[None, :] < sliding_window)
-        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, True, PRECISION, UPCAST)
+        m_i, l_i, acc = attend_tile(q, k, v, m_i, l_i, acc, allowed, qk_scale, True, PRECISION, UPCAST,
+                                    k_scale, v_scale, FP8)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_token + head * stride_o_head + dims[None, :] * stride_o_dim,
@@ -157,7 +173,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             scale: float, sliding_window: int | None, *, out: torch.Tensor | None = None,
                             max_query_len: int | None = None, config: PrefillConfig | None = None,
-                            dense_from: int = 0) -> torch.Tensor:
+                            dense_from: int = 0, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]: causal attention of each sequence's queries over its cached context.
 
     query_start_loc: [B+1] int32, sequence b's queries are q rows [start[b], start[b+1]) (start[0] may be
@@ -165,9 +182,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     batch's q and out and only the prefill sequences' metadata). seq_lens, block_tables: [B], [B, max_blocks]
     int32. The new tokens' K/V must already be in the cache. max_query_len (a host int) bounds the grid;
     it defaults to T. dense_from > 0 skips the sequences without a cached prefix (all of their context is
-    new) of at least dense_from queries: their rows of `out` are left to the caller.
+    new) of at least dense_from queries: their rows of `out` are left to the caller. k_scale, v_scale: an FP8
+    cache's scale exponents (engine/kernels/kv_store.py); the math stays in q's dtype.
     """
     check_cache(k_cache, v_cache)
+    fp8, k_scales, v_scales = fp8_scales(k_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim:
@@ -182,12 +201,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # a sequence's queries may start mid-tile, so they can touch one tile more than cdiv(queries, BLOCK_M)
     num_tiles = triton.cdiv(max_query_len, config.block_m) + 1
     _prefill_kernel[(num_heads, batch, num_tiles)](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0), *out.stride(),
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_scales, v_scales,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *k_scales.stride(), *v_scales.stride(),
+        block_tables.stride(0), *out.stride(),
         scale * LOG2_E, sliding_window or 0, dense_from,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, DIM_PAD=pad_dim(head_dim), PAGE_SIZE=page_size,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, SLIDING=sliding_window is not None,
         PRECISION=dot_precision(q.dtype), UPCAST=upcast_dots(q.device),
-        WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+        WARP_SPECIALIZE=config.warp_specialize, FP8=fp8, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

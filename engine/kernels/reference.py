@@ -3,28 +3,45 @@
 Same signatures and the same cache layout as the kernels (see engine/layers/attention.py):
 k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], strided views of one tensor.
 Attention math runs in float32 whatever the input dtype; outputs come back in the input dtype.
+An FP8 cache comes with k_scale, v_scale: [num_blocks, block_size, num_kv_heads] uint8 scale exponents
+(engine/layers/kv_fp8.py); the twins quantize and dequantize with kv_fp8's torch functions.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.layers import kv_fp8
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """k, v: [T, Hkv, D] -> the cache slots in slot_mapping [T] (negative slots are padding and skipped)."""
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache[slots // block_size, slots % block_size] = k[keep]
-    v_cache[slots // block_size, slots % block_size] = v[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    if k_scale is None or v_scale is None:
+        k_cache[blocks, offsets] = k[keep]
+        v_cache[blocks, offsets] = v[keep]
+        return
+    for rows, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        values, exponents = kv_fp8.quantize(rows[keep])
+        cache.view(torch.uint8)[blocks, offsets] = values.view(torch.uint8)
+        scales[blocks, offsets] = exponents
 
 
-def _context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def _context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
+             scales: torch.Tensor | None = None) -> torch.Tensor:
     """The first num_tokens of one sequence as float32: [num_tokens, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens].float()
+    blocks = block_table[:num_blocks].long()
+    if scales is None:
+        return cache[blocks].flatten(0, 1)[:num_tokens].float()
+    values = cache.view(torch.uint8)[blocks].view(cache.dtype).flatten(0, 1)[:num_tokens]
+    return kv_fp8.dequantize(values, scales[blocks].flatten(0, 1)[:num_tokens])
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_pos: torch.Tensor,
@@ -44,12 +61,13 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_pos
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None) -> torch.Tensor:
+                           sliding_window: int | None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D], one query per sequence at position seq_lens[b] - 1 -> [B, Hq, D]."""
     out = torch.empty_like(q)
     for b, seq_len in enumerate(seq_lens.tolist()):
-        keys = _context(k_cache, block_tables[b], seq_len)
-        values = _context(v_cache, block_tables[b], seq_len)
+        keys = _context(k_cache, block_tables[b], seq_len, k_scale)
+        values = _context(v_cache, block_tables[b], seq_len, v_scale)
         query_pos = torch.tensor([seq_len - 1], device=q.device)
         out[b:b + 1] = _attend(q[b:b + 1], keys, values, query_pos, scale, sliding_window)
     return out
@@ -57,15 +75,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """q: [T, Hq, D]; sequence b's queries are rows [start[b], start[b+1]), the last tokens of its context."""
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
     for b, seq_len in enumerate(seq_lens.tolist()):
         rows = slice(starts[b], starts[b + 1])
         num_queries = starts[b + 1] - starts[b]
-        keys = _context(k_cache, block_tables[b], seq_len)
-        values = _context(v_cache, block_tables[b], seq_len)
+        keys = _context(k_cache, block_tables[b], seq_len, k_scale)
+        values = _context(v_cache, block_tables[b], seq_len, v_scale)
         query_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device)
         out[rows] = _attend(q[rows], keys, values, query_pos, scale, sliding_window)
     return out

@@ -7,7 +7,9 @@ TP size pulls the heads it owns as such runs, node_common/sharded_kv.py):
 
     kv_cache: [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]
 
-A layer sees strided views `k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]`.
+A layer sees strided views `k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]` (a KVCacheLayer).
+An FP8 cache (engine/layers/kv_fp8.py) is a uint8 pool instead: its views are float8_e4m3fn values of the same
+shape plus `k_scale, v_scale: [num_blocks, block_size, num_kv_heads]` uint8 scale exponents, one per row.
 Token `t` of a sequence lives in block `block_table[t // block_size]` at offset `t % block_size`; its flat
 slot is `block_id * block_size + offset`.
 
@@ -19,11 +21,22 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from engine.layers import kv_fp8
 from engine.layers.cpu_linear import HALF_TYPES, has_half_dot_product
+
+
+class KVCacheLayer(NamedTuple):
+    """One layer's views of the KV pool; the scales only for an FP8 cache (a plain (k, v) tuple reads as one)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -48,8 +61,12 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D].
+
+        With k_scale/v_scale the cache is FP8: the new rows are quantized as they are stored, and attention reads
+        the dequantized context (the math runs in q's dtype or float32, never in FP8)."""
 
 
 def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -64,18 +81,19 @@ class TorchAttention(AttentionBackend):
     """A clear implementation over the paged cache; the reference the Triton kernels are checked against."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
             out[:nd] = decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                        meta.seq_lens[:nd], scale, meta.sliding_window)
+                                        meta.seq_lens[:nd], scale, meta.sliding_window, k_scale, v_scale)
         starts = meta.query_start_loc_host
         for b in range(nd, meta.num_seqs):
             rows = slice(starts[b], starts[b + 1])
             out[rows] = prefill_attention(q[rows], k_cache, v_cache, meta.block_tables[b],
-                                          meta.seq_lens_host[b], scale, meta.sliding_window)
+                                          meta.seq_lens_host[b], scale, meta.sliding_window, k_scale, v_scale)
         return out
 
 
@@ -90,29 +108,43 @@ def attention_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     block_size = k_cache.shape[1]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    if k_scale is None or v_scale is None:
+        k_cache[blocks, offsets] = k
+        v_cache[blocks, offsets] = v
+        return
+    for rows, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        values, exponents = kv_fp8.quantize(rows)
+        # through a uint8 view: indexed writes of float8 tensors are not implemented on every device
+        cache.view(torch.uint8)[blocks, offsets] = values.view(torch.uint8)
+        scales[blocks, offsets] = exponents
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first num_tokens of one sequence: [num_tokens, Hkv, D]."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
+                   scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The first num_tokens of one sequence: [num_tokens, Hkv, D] (float32 from an FP8 cache)."""
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+    blocks = block_table[:num_blocks].long()
+    if scales is None:
+        return cache[blocks].flatten(0, 1)[:num_tokens]
+    values = cache.view(torch.uint8)[blocks].view(cache.dtype).flatten(0, 1)[:num_tokens]
+    return kv_fp8.dequantize(values, scales[blocks].flatten(0, 1)[:num_tokens])
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_table: torch.Tensor, seq_len: int, scale: float,
-                      sliding_window: int | None) -> torch.Tensor:
+                      sliding_window: int | None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's last q.shape[0] tokens over its whole context. q: [Tq, Hq, D]."""
     num_queries = q.shape[0]
     dtype = attention_dtype(q)
-    keys = gather_context(k_cache, block_table, seq_len).to(dtype)
-    values = gather_context(v_cache, block_table, seq_len).to(dtype)
+    keys = gather_context(k_cache, block_table, seq_len, k_scale).to(dtype)
+    values = gather_context(v_cache, block_table, seq_len, v_scale).to(dtype)
     key_pos = torch.arange(seq_len, device=q.device)
     mask = allowed_keys(key_pos[seq_len - num_queries:], key_pos, sliding_window)
     # 4-D [1, H, T, D] inputs: with 3-D ones SDPA takes its slow math path on CPU (~7x slower)
@@ -124,7 +156,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     sliding_window: int | None) -> torch.Tensor:
+                     sliding_window: int | None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence, all sequences at once. q: [B, Hq, D] -> [B, Hq, D]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -132,8 +165,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dtype = attention_dtype(q)
     # index_select along blocks is a memcpy per block and leaves [B, L, Hkv, D] contiguous (gathering K and
     # V in one op is no cheaper: splitting them afterwards costs another copy)
-    keys = k_cache.index_select(0, flat_table).reshape(batch, -1, num_kv_heads, head_dim).to(dtype)
-    values = v_cache.index_select(0, flat_table).reshape(batch, -1, num_kv_heads, head_dim).to(dtype)
+    keys = _gather_blocks(k_cache, k_scale, flat_table).reshape(batch, -1, num_kv_heads, head_dim).to(dtype)
+    values = _gather_blocks(v_cache, v_scale, flat_table).reshape(batch, -1, num_kv_heads, head_dim).to(dtype)
     key_pos = torch.arange(keys.shape[1], device=q.device)
     query_pos = (seq_lens.long() - 1)[:, None]
     allowed = key_pos[None, :] <= query_pos
@@ -146,3 +179,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=allowed[:, None, None], scale=scale)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def _gather_blocks(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """The cache's blocks [n, block_size, Hkv, D]: as stored, or dequantized to float32 from an FP8 cache."""
+    if scales is None:
+        return cache.index_select(0, blocks)
+    values = cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
+    return kv_fp8.dequantize(values, scales.index_select(0, blocks))

@@ -12,11 +12,13 @@ layer). On one rank (`SINGLE_RANK`) every layer is a plain torch one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.layers.basic import RMSNorm, RotaryEmbedding, linear, silu_and_mul
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -46,7 +48,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = linear(self.qkv_proj, x, self.rotary.fused).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -56,7 +58,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        cache = KVCacheLayer(*kv_cache)  # a plain (k, v) pair reads as a cache without scales
+        out = backend.forward(q, k, v, cache.k, cache.v, meta, self.scale, k_scale=cache.k_scale,
+                              v_scale=cache.v_scale)
         return linear(self.o_proj, out.reshape(num_tokens, self.q_size), self.rotary.fused)
 
 
@@ -90,7 +94,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rotary.fused)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend: AttentionBackend
+                kv_cache: KVCacheLayer, meta: AttentionMetadata, backend: AttentionBackend
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream travels beside the layer output so each add fuses into the next norm:
         returns (mlp_out, residual) with the block's output = mlp_out + residual."""
@@ -128,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: Sequence[KVCacheLayer], meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)

@@ -196,6 +196,15 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
 
         return kv_checksum(region, block_ids)
 
+    def write_blocks(block_ids: list[int], data: np.ndarray) -> None:
+        """Overwrites blocks of the registered region in place (a test's own content: FP8 KV blocks)."""
+        if pool is kv:
+            kv[block_ids] = data
+        else:
+            import torch
+
+            pool[block_ids] = torch.from_numpy(data).to(pool.device)
+
     def chosen_backend(peer: str) -> str:
         """The backend `peer` is read with: the auto connector's choice, any other connector's own backend."""
         from kvtransfer.same_host import AutoConnector
@@ -215,6 +224,7 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
         "notifications": notifications,
         "blocks": lambda: kv.copy() if pool is kv else pool.cpu().numpy(),
         "checksum": checksum,
+        "write_blocks": write_blocks,
         # what the connector changed in the process environment (a library must leave it alone)
         "environment_changes": lambda: {k: v for k, v in transport_variables().items() if launched_with.get(k) != v},
         "close": connector.close,

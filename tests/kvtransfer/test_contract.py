@@ -192,6 +192,44 @@ def test_checksums_of_the_read_blocks_match_on_both_sides(pair: Pair) -> None:
     assert pair.prefill.call("checksum", remote_ids) != pair.decode.call("checksum", [7, 500, 501, 502])
 
 
+def test_fp8_kv_blocks_with_their_scales_arrive_byte_for_byte(pair: Pair) -> None:
+    """Blocks of a real FP8 KV pool (e4m3 values and the scale bytes inside each block, engine/layers/kv_fp8.py),
+    filled by the engine's quantizer: the connector moves them as bytes, so D's blocks must equal P's exactly (the
+    same bytes read back as the same K/V: the scales are in them)."""
+    import torch
+
+    from engine.kernels import reference
+    from engine.layers import kv_fp8
+
+    # 2 heads x 2 layers x (K, V) regions of 256 bytes: 4 tokens x 60 dims of e4m3 (240), 4 scale bytes, padding
+    layers, block_size, heads, dim = 2, 4, 2, 60
+    assert kv_fp8.fp8_block_bytes(layers, block_size, heads, dim) == BLOCK_BYTES
+    num_blocks = 5
+    pool, views = kv_fp8.allocate_fp8_pool(num_blocks, layers, block_size, heads, dim, "cpu")
+    generator = torch.Generator().manual_seed(11)
+    slots = torch.arange(num_blocks * block_size)
+    for k_cache, v_cache, k_scale, v_scale in views:
+        # rows from ~2**-20 to ~2**20: scales far from 1, values that would saturate e4m3 unscaled
+        rows = torch.randn(len(slots), 2 * heads, dim, generator=generator) * torch.exp2(
+            torch.randint(-20, 21, (len(slots), 2 * heads, 1), generator=generator).float())
+        reference.store_kv(rows[:, :heads], rows[:, heads:], k_cache, v_cache, slots, k_scale, v_scale)
+    assert len(torch.unique(views[0][2])) > 10  # the scales differ from row to row
+    remote_ids, local_ids = [60, 61, 62, 700, 1500], [800, 33, 34, 35, 1999]
+    fp8_blocks = pool.numpy().reshape(num_blocks, BLOCK_BYTES)
+    pair.prefill.call("write_blocks", remote_ids, fp8_blocks)
+    try:
+        before = pair.decode.call("blocks")
+        result = pair.read(remote_ids, local_ids)
+        assert result["status"] == "DONE", result
+        after = pair.decode.call("blocks")
+        expected = before.copy()
+        expected[local_ids] = fp8_blocks
+        np.testing.assert_array_equal(after, expected)  # exactly these bytes, nowhere else
+        assert pair.prefill.call("checksum", remote_ids) == pair.decode.call("checksum", local_ids)
+    finally:  # later tests read P's blocks and expect its initial pattern
+        pair.prefill.call("write_blocks", remote_ids, pair.prefill.initial_blocks()[remote_ids])
+
+
 @pytest.mark.parametrize(("remote_ids", "local_ids", "message"), [
     ([NUM_BLOCKS], [0], "remote block id 2100 is out of range"),
     ([0], [NUM_BLOCKS + 5], "local block id 2105 is out of range"),
