@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl-xgr/*.whl \
   && export PYTHONPATH=/tmp/site
 TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --no-header -x \
-  tests/kernels tests/unit/test_engine_gpu.py tests/unit/test_spec_decode_gpu.py > $OUT/gpu-tests.log 2>&1
+  tests/kernels tests/unit/test_engine_gpu.py tests/unit/test_spec_decode_gpu.py tests/unit/test_fp8_kv_cache.py > $OUT/gpu-tests.log 2>&1
 echo "gpu tests rc=$?"; tail -3 $OUT/gpu-tests.log; grep -E "^(FAILED|ERROR)" $OUT/gpu-tests.log | head -5
 timeout 80 python3 bench/decode_step.py --batches 1,8,64 --context 1024 --out $OUT/decode.md > $OUT/decode.log 2>&1
 echo "decode rc=$?"; tail -5 $OUT/decode.log
