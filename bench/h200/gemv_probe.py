@@ -56,10 +56,10 @@ def main() -> None:
         act = silu_and_mul(x) if silu else x
         ref = (act.float() @ weights[0].float().T)
         nbytes = n * k * 2
-        base = graph_time(lambda: [F.linear(act, w) for w in weights]) / LAYERS
+        base = graph_time(lambda a=act, ws=weights: [F.linear(a, w) for w in ws]) / LAYERS
         print(f"{name} [{n}x{k}] cuBLAS F.linear: {base * 1e6:.1f} us  {nbytes / base / 1e12:.2f} TB/s", flush=True)
         if silu:
-            fused_base = graph_time(lambda: [F.linear(silu_and_mul(x), w) for w in weights]) / LAYERS
+            fused_base = graph_time(lambda a=x, ws=weights: [F.linear(silu_and_mul(a), w) for w in ws]) / LAYERS
             print(f"  silu_and_mul + F.linear: {fused_base * 1e6:.1f} us", flush=True)
         results = []
         for block_n, block_k, warps in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)):
@@ -68,8 +68,8 @@ def main() -> None:
             try:
                 out = gemv(x, weights[0], silu_mul_input=silu, block_n=block_n, block_k=block_k, num_warps=warps)
                 err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                t = graph_time(lambda bn=block_n, bk=block_k, nw=warps: [
-                    gemv(x, w, silu_mul_input=silu, block_n=bn, block_k=bk, num_warps=nw) for w in weights]) / LAYERS
+                t = graph_time(lambda a=x, ws=weights, s=silu, bn=block_n, bk=block_k, nw=warps: [
+                    gemv(a, w, silu_mul_input=s, block_n=bn, block_k=bk, num_warps=nw) for w in ws]) / LAYERS
             except Exception as e:  # a config that does not compile is skipped, not fatal
                 print(f"  n{block_n} k{block_k} w{warps}: {type(e).__name__}: {e}"[:200], flush=True)
                 continue
