@@ -37,6 +37,9 @@ LLAMA_31_8B = {
 }
 
 
+MAX_STEP_TOKENS = 8192
+
+
 def hbm_read_bandwidth() -> float:
     """Bytes/s of a large bf16 reduction (reads dominate), best of several."""
     x = torch.empty(4 << 30 >> 1, dtype=torch.bfloat16, device="cuda").normal_()
@@ -52,11 +55,17 @@ def hbm_read_bandwidth() -> float:
     return (4 << 30) / best
 
 
+def prefill_steps(batch: int, context: int) -> int:
+    return -(-batch * context // MAX_STEP_TOKENS)
+
+
 def time_engine_steps(llm, batch: int, context: int, steps: int) -> float:  # type: ignore[no-untyped-def]
     from engine import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)
+    # the first requests decode while the last ones prefill (8192 prompt tokens a step): they must not reach
+    # max_tokens before the timing starts
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 10 + prefill_steps(batch, context), ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for i, request_id in enumerate(ids):
         engine.add_request(request_id, [(7 * i + j) % 1000 + 10 for j in range(context)], params)
@@ -135,7 +144,8 @@ def main() -> None:
     config_dir = Path(tempfile.mkdtemp())
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
-              max_num_batched_tokens=8192, max_model_len=args.context + args.steps + 64,
+              max_num_batched_tokens=MAX_STEP_TOKENS,
+              max_model_len=args.context + args.steps + 64 + prefill_steps(max(batches), args.context),
               skip_tokenizer_init=True, enforce_eager=args.eager, async_scheduling=not args.sync,
               kv_cache_dtype=args.kv_cache_dtype)
     model = llm.engine.runner.model

@@ -119,8 +119,9 @@ def _vllm_constraints(value: Any, options: dict[str, bool]) -> list[tuple[str, s
     json_object = value.get("json_object")
     if json_object is not None and not isinstance(json_object, bool):
         raise bad_request("structured_outputs.json_object must be a boolean", "structured_outputs")
+    # json_object: false means "not this one"; any other constraint given as false is a wrong type (_checked)
     return [("structured_outputs", key, value[key]) for key in _CONSTRAINT_KEYS
-            if value.get(key) is not None and value[key] is not False]
+            if value.get(key) is not None and not (key == "json_object" and value[key] is False)]
 
 
 def _checked(field: str, key: str, value: Any) -> Any:

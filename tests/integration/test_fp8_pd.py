@@ -39,9 +39,9 @@ def test_disaggregated_completions_on_fp8_nodes_equal_the_oracle(fp8_cluster: st
                               json={"prompt": prompt, "max_tokens": len(tokens), "temperature": 0, "ignore_eos": True})
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
-    # D pulled the prompts' blocks, and they were FP8 blocks: 2 layers x (K, V) x 144 bytes (4 tokens x 2 heads x 16
-    # e4m3 values, 8 scale bytes, padding), where a float32 block is 1024 bytes
+    # D pulled the prompts' blocks, and they were FP8 blocks: 2 KV heads x 2 layers x (K, V) x 80 bytes (4 tokens x
+    # 16 e4m3 values, 4 scale bytes, padding), where a float32 block is 1024 bytes
     families = text_string_to_metric_families(httpx.get(f"{fp8_cluster}/metrics", timeout=10).text)
     pulled = sum(sample.value for family in families if family.name == "tandem:kv_transfer_bytes"
                  for sample in family.samples)
-    assert pulled == sum(-(-len(prompt) // 4) for prompt in prompts) * 2 * 2 * 144
+    assert pulled == sum(-(-len(prompt) // 4) for prompt in prompts) * 2 * 2 * 2 * 80

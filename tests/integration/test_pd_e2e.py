@@ -102,7 +102,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def cluster(request: pytest.FixtureRequest, tiny_model: TinyModelFactory,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tiny_model("llama"), request.param, tmp_path_factory.mktemp(f"logs-{request.param}"),
-                lease_seconds=2.0)
+                lease_seconds=5.0)  # short, for the expiry test; long enough for a loaded box between P and D
     yield c
     c.stop()
 

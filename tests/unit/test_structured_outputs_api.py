@@ -67,6 +67,8 @@ def test_openai_vllm_and_older_vllm_names_give_one_constraint(extra: dict[str, A
     ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "needs a constraint"),
     ({"structured_outputs": {"regex": ""}}, "structured_outputs", "non-empty"),
     ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs", "choice"),
+    # only json_object may be false ("not this one"): a false choice is a wrong type, found by schemathesis
+    ({"structured_outputs": {"choice": False}}, "structured_outputs", "structured_outputs.choice"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "not supported"),
     ({"structured_outputs": "json"}, "structured_outputs", "object"),
     ({"guided_json": "{"}, "guided_json", "not valid JSON"),
