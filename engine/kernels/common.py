@@ -91,7 +91,10 @@ def round_to_e4m3(x):
     step = ((tl.maximum(biased, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
     magic = step * 12582912.0
     rounded = (x + magic) - magic
-    return tl.where(x == 0.0, x, rounded)  # keeps -0.0, as torch's cast does
+    # a value that rounds to zero keeps its sign, as torch's cast does (-1e-6 -> -0.0, byte 0x80): (x + magic) -
+    # magic gives +0.0 whatever the sign; every other result already has x's sign bit
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

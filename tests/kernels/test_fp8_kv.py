@@ -61,7 +61,10 @@ def check_store(num_tokens: int, block_size: int, num_kv_heads: int, head_dim: i
     expected_pool = pool.clone()
     expected = layer_views(expected_pool, block_size, num_kv_heads, head_dim)
     # k and v as strided views of a fused qkv projection, like the model produces them
-    qkv = spread_rows(num_tokens, 3 * num_kv_heads, head_dim, device).to(dtype)
+    qkv = spread_rows(num_tokens, 3 * num_kv_heads, head_dim, device)
+    # a value 2**-20 of another in its row rounds to zero: its sign must survive (-0.0 is byte 0x80, as torch casts)
+    qkv[:, :, 1] = -qkv[:, :, 0].abs() * 2 ** -20
+    qkv = qkv.to(dtype)
     k, v = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
     slots = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
     slots[::5] = -1  # padding tokens store nothing
