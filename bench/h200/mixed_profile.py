@@ -21,8 +21,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import LLAMA_31_8B  # noqa: E402
 from offline_gpu import matmul_rate  # noqa: E402
+from step_profile import kernel_totals  # noqa: E402
 
 
 def main() -> None:
@@ -67,12 +69,7 @@ def main() -> None:
             engine.step()
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        totals: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                totals[event.name] = totals.get(event.name, 0.0) + event.device_time
-                counts[event.name] = counts.get(event.name, 0) + 1
+        totals, counts = kernel_totals(prof)
         total = sum(totals.values())
         tokens = args.prompts * args.prompt_len + num_decodes
         floor = 2 * num_params * tokens / flops

@@ -22,6 +22,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from decode_step import LLAMA_31_8B  # noqa: E402
 
 
+def kernel_totals(prof: profile) -> tuple[dict[str, float], dict[str, int]]:
+    """Device microseconds and launches per kernel name over a profiled span."""
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return totals, counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,64")
@@ -51,12 +62,7 @@ def main() -> None:
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
-        totals: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                totals[event.name] = totals.get(event.name, 0.0) + event.device_time
-                counts[event.name] = counts.get(event.name, 0) + 1
+        totals, counts = kernel_totals(prof)
         total = sum(totals.values()) / args.steps
         print(f"\n## batch {batch}: device time per step {total / 1e3:.3f} ms (sum of kernel times)")
         print("| us/step | % | launches/step | kernel |\n|---|---|---|---|")
