@@ -146,11 +146,13 @@ def measure_read_bandwidth(setup: Setup, device: torch.device, timer: Timer) -> 
 
 
 def make_cache(setup: Setup, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k_cache, v_cache, shuffled block ids): one layer of the engine's [blocks, layers, 2, ...] layout."""
+    """(k_cache, v_cache, shuffled block ids): the engine's pool layout [blocks, kv_heads, layers, 2, block_size,
+    head_dim] (engine/profile_run.py) with one layer, viewed as [blocks, block_size, kv_heads, head_dim]."""
     num_blocks = num_tokens // setup.block_size + 1
-    kv = torch.empty(num_blocks, 1, 2, setup.block_size, setup.num_kv_heads, setup.head_dim, dtype=torch.bfloat16,
+    kv = torch.empty(num_blocks, setup.num_kv_heads, 1, 2, setup.block_size, setup.head_dim, dtype=torch.bfloat16,
                      device=device).normal_()
-    return kv[:, 0, 0], kv[:, 0, 1], torch.randperm(num_blocks, device=device).to(torch.int32)
+    return (kv[:, :, 0, 0].transpose(1, 2), kv[:, :, 0, 1].transpose(1, 2),
+            torch.randperm(num_blocks, device=device).to(torch.int32))
 
 
 def check_kernels(setup: Setup, device: torch.device) -> dict[str, float]:

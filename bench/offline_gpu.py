@@ -1,6 +1,7 @@
 """Offline throughput on a GPU against the roofline of the same workload, measured in one run.
 
     python3 bench/offline_gpu.py [--num-prompts 256 --prompt-len 1024 --output-len 1024] [--sync] [--out FILE]
+                                 [--trace] [--repeat N]
 
 Llama-3.1-8B shape with dummy bf16 weights (bench/decode_step.py's config), random prompts, greedy, ignore_eos.
 The roofline is what the workload would take if every prefill token ran at the bf16 matmul rate and every
@@ -84,26 +85,85 @@ def _trace_steps(scheduler) -> list[tuple[float, int, int, int]]:
     return records
 
 
+def _trace_launches(runner) -> list[tuple[bool, float]]:
+    """(has prompt tokens, seconds) of every runner.execute: launching a step should take the host's time only;
+    a launch as long as the step before it waited for the device (a synchronising call)."""
+    launches: list[tuple[bool, float]] = []
+    execute = type(runner).execute
+
+    def timed(batch):
+        start = time.perf_counter()
+        try:
+            return execute(runner, batch)
+        finally:
+            launches.append((any(s.num_new_tokens > 1 for s in batch.scheduled), time.perf_counter() - start))
+
+    runner.execute = timed
+    return launches
+
+
+def _launch_report(launches: list[tuple[bool, float]]) -> str:
+    def summary(times: list[float]) -> str:
+        times = sorted(times)
+        return (f"median {times[len(times) // 2] * 1e3:.1f} ms, max {times[-1] * 1e3:.1f} ms, total {sum(times):.2f} s"
+                if times else "none")
+
+    return (f"host time launching steps with prompt tokens: {summary([t for p, t in launches if p])}; "
+            f"decode-only: {summary([t for p, t in launches if not p])}")
+
+
+def _trace_compiles() -> list[tuple[float, float, str]]:
+    """(start, end, kernel) of every Triton compilation from now on: a step that compiles a kernel (a new
+    specialisation) pays seconds that a warm engine would not."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    compiles: list[tuple[float, float, str]] = []
+    started: dict[object, float] = {}
+
+    def before(*, key, fn, **_):
+        started[key] = time.perf_counter()
+        return None  # a true value would skip the compilation
+
+    def after(*, key, fn, **_):
+        compiles.append((started.pop(key, time.perf_counter()), time.perf_counter(), fn.name))
+        return None
+
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
+    return compiles
+
+
 def _trace_report(records: list[tuple[float, int, int, int]], end: float, cfg: dict, weight_bytes: int,
-                  bandwidth: float) -> list[str]:
+                  bandwidth: float, compiles: list[tuple[float, float, str]]) -> list[str]:
     kv_bytes_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     times = [r[0] for r in records] + [end]
     mixed = decode = decode_floor = 0.0
     num_mixed = num_decode = 0
     ratios = []
+    mixed_steps: list[tuple[float, int, int, int]] = []  # (gap, step index, prompt tokens, decodes)
     for i, (_, prompt_tokens, num_decodes, context) in enumerate(records):
         # the step launched at records[i] runs while the host prepares the next: charge it the next gap
         gap = times[i + 2] - times[i + 1] if i + 2 < len(times) else times[-1] - times[i]
         if prompt_tokens:
             mixed, num_mixed = mixed + gap, num_mixed + 1
+            mixed_steps.append((gap, i, prompt_tokens, num_decodes))
         elif num_decodes:
             floor = (weight_bytes + context * kv_bytes_per_token) / bandwidth
             decode, decode_floor, num_decode = decode + gap, decode_floor + floor, num_decode + 1
             ratios.append(gap / floor)
     ratios.sort()
     median = ratios[len(ratios) // 2] if ratios else float("nan")
-    return [f"steps with prompt tokens: {num_mixed}, {mixed:.2f} s; decode-only steps: {num_decode}, "
-            f"{decode:.2f} s against a read floor of {decode_floor:.2f} s (median step {median:.2f}x its floor)"]
+    lines = [f"steps with prompt tokens: {num_mixed}, {mixed:.2f} s; decode-only steps: {num_decode}, "
+             f"{decode:.2f} s against a read floor of {decode_floor:.2f} s (median step {median:.2f}x its floor)"]
+    gaps = sorted(g for g, *_ in mixed_steps)
+    if gaps:
+        lines.append(f"steps with prompt tokens, ms: min {gaps[0] * 1e3:.0f}, median {gaps[len(gaps) // 2] * 1e3:.0f},"
+                     f" max {gaps[-1] * 1e3:.0f}; slowest (step: ms, prompt tokens, decodes): " + ", ".join(
+                         f"{i}: {g * 1e3:.0f}, {p}, {d}" for g, i, p, d in sorted(mixed_steps, reverse=True)[:6]))
+    start = times[0] if times else end
+    lines.append(f"Triton compilations during the run: {len(compiles)}, {sum(b - a for a, b, _ in compiles):.2f} s"
+                 + "".join(f"; {name} at {a - start:.2f} s ({b - a:.2f} s)" for a, b, name in compiles[:12]))
+    return lines
 
 
 def main() -> None:
@@ -115,7 +175,10 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true",
-                        help="also print where the time went: steps with prompt tokens vs decode-only steps")
+                        help="also print where the time went: steps with prompt tokens vs decode-only steps, "
+                             "the slowest prompt steps and the Triton compilations during the run")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the workload this many times in one engine (a later run shows a warm engine)")
     args = parser.parse_args()
 
     from engine import LLM, SamplingParams
@@ -124,26 +187,24 @@ def main() -> None:
     flops = matmul_rate()
     config_dir = Path(tempfile.mkdtemp())
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    started = time.perf_counter()
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
               async_scheduling=not args.sync)
+    start_seconds = time.perf_counter() - started
     model = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     num_params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, 100_000, (args.num_prompts, args.prompt_len), generator=g).tolist()
+
+    def random_prompts(seed: int, num: int, length: int) -> list[list[int]]:
+        # a fresh seed per run: a repeated prompt would be a prefix-cache hit
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(10, 100_000, (num, length), generator=g).tolist()
+
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate([p[:64] for p in prompts[:4]], warm)
+    llm.generate(random_prompts(0, 4, 64), warm)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    trace = _trace_steps(llm.engine.scheduler) if args.trace else None
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert num_out == args.num_prompts * args.output_len, f"got {num_out} output tokens"
     prefill, decode = roofline_seconds(LLAMA_31_8B, weight_bytes, num_params, args.num_prompts, args.prompt_len,
                                        args.output_len, flops, bandwidth)
     roofline = prefill + decode
@@ -152,16 +213,35 @@ def main() -> None:
     lines = [
         f"read bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s (measured in this run)",
         f"workload: {args.num_prompts} x {args.prompt_len} in / {args.output_len} out, greedy, ignore_eos; "
-        f"asynchronous scheduling: {not args.sync}",
+        f"asynchronous scheduling: {not args.sync}; engine start (load, profile, graphs, warm-up) "
+        f"{start_seconds:.1f} s",
         "",
-        "| output tok/s | seconds | roofline s (prefill + decode) | roofline tok/s | of the roofline "
+        "| run | output tok/s | seconds | roofline s (prefill + decode) | roofline tok/s | of the roofline "
         "| with decode matmuls' compute s | of that bound |",
-        "|---|---|---|---|---|---|---|",
-        f"| {num_out / elapsed:,.0f} | {elapsed:.2f} | {roofline:.2f} ({prefill:.2f} + {decode:.2f}) "
-        f"| {num_out / roofline:,.0f} | {roofline / elapsed:.2f} | {bound:.2f} | {bound / elapsed:.2f} |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    if trace is not None:
-        lines += ["", *_trace_report(trace, time.perf_counter(), LLAMA_31_8B, weight_bytes, bandwidth)]
+    traces = []
+    schedule = llm.engine.scheduler.schedule
+    for run in range(1, args.repeat + 1):
+        llm.engine.scheduler.schedule = schedule
+        trace = _trace_steps(llm.engine.scheduler) if args.trace else None
+        launches = _trace_launches(llm.engine.runner) if args.trace else []
+        compiles = _trace_compiles() if args.trace else []
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = llm.generate(random_prompts(run, args.num_prompts, args.prompt_len), params)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+        assert num_out == args.num_prompts * args.output_len, f"got {num_out} output tokens"
+        lines.append(f"| {run} | {num_out / elapsed:,.0f} | {elapsed:.2f} | {roofline:.2f} ({prefill:.2f} + "
+                     f"{decode:.2f}) | {num_out / roofline:,.0f} | {roofline / elapsed:.2f} | {bound:.2f} "
+                     f"| {bound / elapsed:.2f} |")
+        if trace is not None:
+            traces.append((run, [*_trace_report(trace, time.perf_counter(), LLAMA_31_8B, weight_bytes, bandwidth,
+                                                compiles), _launch_report(launches)]))
+    for run, trace_lines in traces:
+        lines += ["", f"run {run}:", *trace_lines]
     report = "\n".join(lines)
     print(report, flush=True)
     if args.out:

@@ -33,7 +33,7 @@ from engine.layers.linear import HeadSplit
 from engine.model.loader import build_model
 from engine.parallel.context import ParallelContext
 from engine.parallel.executor import StepInputs, TensorParallelWorkers, resolve_call
-from engine.profile_run import allocate_kv_pool, kv_block_bytes, profile_step_bytes
+from engine.profile_run import allocate_kv_pool, kv_block_bytes, profile_step_bytes, run_dummy_step
 from engine.sampled_step import SampledStep
 from engine.sampler import Sampler, SamplingRow, TokenBitmask, noise_seed, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -127,8 +127,20 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, graph_batch,
                                        -(-max_model_len // self.block_size), self.sliding_window,
                                        padding_slot=self.num_blocks * self.block_size)
+        if self.device.type == "cuda":
+            self._warm_up(min(cfg.max_num_batched_tokens, max_model_len))
         logger.info("model %s on %s in %s, %d KV blocks of %d tokens (%s)", model_cfg.architecture, self.device,
                     self.dtype, self.num_blocks, self.block_size, self.kv_cache_dtype)
+
+    def _warm_up(self, max_prompt_tokens: int) -> None:
+        """So that no request pays for a kernel compilation or a library's plan (over a second each, inside a
+        step): one eager step of two decodes and a short prompt (the attention kernels outside the graphs, the
+        sampler), and the dense attention of every prompt length one step can hold."""
+        run_dummy_step(self.model, self.backend, self.pool_cfg, self.block_size, self.dtype, self.device, [1, 1, 33],
+                       num_sampled=3, fp8_kv=self.fp8_kv)
+        self.backend.warm_up(self.head_split.num_q_heads, self.head_split.num_kv_heads, self.model_cfg.head_dim,
+                             self.dtype, self.device, max_prompt_tokens)
+        torch.cuda.synchronize(self.device)
 
     @property
     def block_bytes(self) -> int:
@@ -267,13 +279,19 @@ class ModelRunner:
     def _device_inputs(self, inputs: StepInputs
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         i = inputs
-        # one host-to-device copy for all of the step's integers, instead of one per tensor
-        sizes = [len(i.input_ids), len(i.positions), len(i.slots), len(i.starts), len(i.seq_lens),
-                 len(i.block_tables), len(i.sample_rows), len(i.pending_rows), len(i.pending_sources)]
-        packed = to_device(i.input_ids + i.positions + i.slots + i.starts + i.seq_lens + i.block_tables
-                           + i.sample_rows + i.pending_rows + i.pending_sources, torch.int64, self.device)
+        # one host-to-device copy for all of the step's integers, instead of one per tensor; each part starts
+        # 16-byte aligned, as kernels specialise on their pointers' alignment (a new variant is a compilation)
+        parts = [i.input_ids, i.positions, i.slots, i.starts, i.seq_lens, i.block_tables, i.sample_rows,
+                 i.pending_rows, i.pending_sources]
+        flat: list[int] = []
+        spans = []
+        for part in parts:
+            spans.append((len(flat), len(part)))
+            flat += part
+            flat += [0] * (len(part) % 2)
+        packed = to_device(flat, torch.int64, self.device)
         ids_d, positions_d, slots_d, starts_d, seq_lens_d, tables_d, sample_rows_d, pending_rows_d, sources_d = (
-            packed.split(sizes))
+            packed[start:start + size] for start, size in spans)
         if i.pending_rows and self.parallel.is_driver:
             assert self.last_sampled is not None
             ids_d.index_copy_(0, pending_rows_d, self.last_sampled.device_token_ids.index_select(0, sources_d))

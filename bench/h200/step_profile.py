@@ -44,12 +44,15 @@ def main() -> None:
     config_dir = Path(tempfile.mkdtemp())
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
     batches = [int(b) for b in args.batches.split(",")]
+    # the first requests decode while the last prompts prefill (8192 tokens a step): none may finish before the
+    # profiled steps
+    max_tokens = max(batches) * args.context // 8192 + args.steps + 16
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=max(batches),
-              max_num_batched_tokens=8192, max_model_len=args.context + 64, skip_tokenizer_init=True,
+              max_num_batched_tokens=8192, max_model_len=args.context + max_tokens + 16, skip_tokenizer_init=True,
               enforce_eager=True)
     engine = llm.engine
     for batch in batches:
-        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         ids = [f"p{batch}-{i}" for i in range(batch)]
         for i, rid in enumerate(ids):
             engine.add_request(rid, [(7 * i + j) % 1000 + 10 for j in range(args.context)], params)

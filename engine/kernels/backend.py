@@ -18,6 +18,10 @@ from engine.layers.attention import AttentionBackend, AttentionMetadata
 # bench/results/engine-speed-*.md). Shorter prompts stay in the one paged launch, where a launch per sequence
 # would cost more than it saves.
 DENSE_PREFILL_MIN_TOKENS = 1024
+# cuDNN builds an execution plan for every new sequence length (~40 ms on the H200, bench/h200/sdpa_first_call.py):
+# dense prompts are padded at the end to a multiple of this, so a server plans a bounded set of lengths, all at
+# start-up (TritonAttention.warm_up). Under the causal mask the real rows never see the padding keys.
+DENSE_LENGTH_BUCKET = 256
 _DENSE_DTYPES = (torch.bfloat16, torch.float16)
 _DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
@@ -77,6 +81,17 @@ class TritonAttention(AttentionBackend):
                               dense_from=dense_from, k_scale=k_scale, v_scale=v_scale)
         return out
 
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                max_prompt_tokens: int) -> None:
+        """Plans the dense attention of every padded length a prompt of one step can have."""
+        if not self.dense_prefill_min_tokens or device.type != "cuda" or dtype not in _DENSE_DTYPES:
+            return
+        first = dense_length(self.dense_prefill_min_tokens)
+        for length in range(first, dense_length(max_prompt_tokens) + 1, DENSE_LENGTH_BUCKET):
+            q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
+            kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
+            dense_causal_attention(q, kv, kv, head_dim ** -0.5)
+
     def _dense_from(self, q: torch.Tensor, meta: AttentionMetadata) -> int:
         """The dense path's threshold for this step, 0 when it does not apply (CPU, float32, sliding window)."""
         if q.device.type != "cuda" or q.dtype not in _DENSE_DTYPES or meta.sliding_window is not None:
@@ -84,12 +99,21 @@ class TritonAttention(AttentionBackend):
         return self.dense_prefill_min_tokens
 
 
+def dense_length(num_tokens: int) -> int:
+    return -(-num_tokens // DENSE_LENGTH_BUCKET) * DENSE_LENGTH_BUCKET
+
+
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one whole sequence over its own K/V. q: [T, Hq, D]; k, v: [T, Hkv, D] (any row
     stride: views of the fused qkv projection are fine) -> [T, Hq, D]."""
+    num_tokens = q.shape[0]
+    # always a padded contiguous copy (a few MB against the attention's compute): cuDNN's plans are keyed on the
+    # strides too, and one layout per length is what warm_up plans
+    padding = (0, 0, 0, 0, 0, dense_length(num_tokens) - num_tokens)
+    q, k, v = (F.pad(x, padding) for x in (q, k, v))
     # cuDNN first, then flash: torch's own order may change between versions, and on the H200 flash (FA2)
     # runs at half of cuDNN's rate here (bench/h200/prefill_probe.py)
     with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1)[:num_tokens]

@@ -57,7 +57,9 @@ def default_decode_config(device: torch.device, dtype: torch.dtype) -> DecodeCon
     return DecodeConfig()
 
 
-@triton.jit
+# not specialised on what changes from step to step (see engine/kernels/prefill.py): one compilation serves
+# every eager step and every graph
+@triton.jit(do_not_specialize=["stride_table_seq", "sliding_window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
@@ -128,26 +130,37 @@ def _decode_kernel(
                  result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+# the partitions are merged PARTS_BLOCK at a time, so one compilation serves every partition count
+@triton.jit(do_not_specialize=["num_parts"])
 def _merge_kernel(
     part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     stride_o_seq, stride_o_head, stride_o_dim, num_parts,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PARTS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PARTS_BLOCK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    parts = tl.arange(0, PARTS_PAD)
     dims = tl.arange(0, DIM_PAD)
-    part_rows = (seq * tl.num_programs(1) + head) * num_parts + parts
-    part_mask = parts < num_parts
-    maxes = tl.load(part_max_ptr + part_rows, mask=part_mask, other=MAX_START)
-    sums = tl.load(part_sum_ptr + part_rows, mask=part_mask, other=0.0)
-    weights = sums * tl.exp2(maxes - tl.max(maxes, 0))
-    # empty partitions were never written: their rows must not be read (0 * NaN is NaN)
-    o_mask = (part_mask & (sums > 0))[:, None] & (dims[None, :] < HEAD_DIM)
-    outs = tl.load(part_out_ptr + part_rows[:, None] * HEAD_DIM + dims[None, :], mask=o_mask, other=0.0)
-    total = tl.sum(weights, 0)
-    merged = tl.sum(weights[:, None] * outs, 0) / tl.where(total > 0, total, 1.0)
+    first_row = (seq * tl.num_programs(1) + head) * num_parts
+    top = MAX_START
+    for start in range(0, num_parts, PARTS_BLOCK):
+        parts = start + tl.arange(0, PARTS_BLOCK)
+        maxes = tl.load(part_max_ptr + first_row + parts, mask=parts < num_parts, other=MAX_START)
+        top = tl.maximum(top, tl.max(maxes, 0))
+    total = 0.0
+    merged = tl.zeros([DIM_PAD], tl.float32)
+    for start in range(0, num_parts, PARTS_BLOCK):
+        parts = start + tl.arange(0, PARTS_BLOCK)
+        part_mask = parts < num_parts
+        maxes = tl.load(part_max_ptr + first_row + parts, mask=part_mask, other=MAX_START)
+        sums = tl.load(part_sum_ptr + first_row + parts, mask=part_mask, other=0.0)
+        weights = sums * tl.exp2(maxes - top)
+        # empty partitions were never written: their rows must not be read (0 * NaN is NaN)
+        o_mask = (part_mask & (sums > 0))[:, None] & (dims[None, :] < HEAD_DIM)
+        outs = tl.load(part_out_ptr + (first_row + parts)[:, None] * HEAD_DIM + dims[None, :], mask=o_mask,
+                       other=0.0)
+        total += tl.sum(weights, 0)
+        merged += tl.sum(weights[:, None] * outs, 0)
+    merged = merged / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + dims * stride_o_dim,
              merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -212,7 +225,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if split:
         _merge_kernel[(batch, num_heads)](
             part_out, part_max, part_sum, out, *out.stride(), num_parts,
-            HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-            PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=4,
+            HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), PARTS_BLOCK=16, num_warps=4,
         )
     return out

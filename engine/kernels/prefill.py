@@ -74,7 +74,12 @@ def _attend_earlier_keys(q, m_i, l_i, acc, key_start, pos, table, k_base, v_base
                        FP8)
 
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton would compile a variant for an int
+# that is 1 or a multiple of 16, and for a pointer 16-byte aligned or not): the metadata is sliced past the
+# step's decodes, and the block table's width follows the longest context. Each new variant is a compilation
+# of over a second inside a serving step (bench/offline_gpu.py --trace).
+@triton.jit(do_not_specialize=["stride_table_seq", "sliding_window", "dense_from"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     k_scale_ptr, v_scale_ptr,

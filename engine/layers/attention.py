@@ -68,6 +68,12 @@ class AttentionBackend(abc.ABC):
         With k_scale/v_scale the cache is FP8: the new rows are quantized as they are stored, and attention reads
         the dequantized context (the math runs in q's dtype or float32, never in FP8)."""
 
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                max_prompt_tokens: int) -> None:
+        """Builds what the first step of a new shape would otherwise build inside a request (execution plans of
+        library kernels). Nothing to build by default."""
+        return None
+
 
 def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """Causal mask (with an optional sliding window, as transformers defines it: q - k < window)."""

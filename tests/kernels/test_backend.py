@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.backend import TritonAttention
+from engine.kernels.backend import DENSE_LENGTH_BUCKET, TritonAttention, dense_causal_attention
 from engine.layers.attention import AttentionMetadata, TorchAttention
 from tests.kernels.paged import TOLERANCE, int32, make_block_tables, make_cache, relative_error
 
@@ -76,3 +76,53 @@ def test_triton_backend_on_gpu_one_long_fresh_prompt(dtype: torch.dtype) -> None
     """A step that is one fresh prompt long enough for the dense path returns its result directly."""
     _check_backend([1500], [1500], 0, 32, 8, 128, 16, dtype, None, "cuda")
     _check_backend([1500, 1200], [1500, 1200], 0, 32, 8, 128, 16, dtype, None, "cuda")
+
+
+def test_dense_attention_padding_leaves_the_real_rows_exact() -> None:
+    # 300 tokens run as 512 (padding at the end): under the causal mask no real row sees a padding key
+    num_tokens = 300
+    assert num_tokens % DENSE_LENGTH_BUCKET
+    qkv = torch.randn(num_tokens, 4 + 2 + 2, 32, dtype=torch.float64)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]  # views of a fused projection, as the model passes them
+    out = dense_causal_attention(q, k, v, 32 ** -0.5)
+    assert out.shape == (num_tokens, 4, 32)
+    keys = k.repeat_interleave(2, dim=1)  # query head h reads KV head h // 2
+    values = v.repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * 32 ** -0.5
+    scores.masked_fill_(torch.ones(num_tokens, num_tokens, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    assert relative_error(out, expected) < 1e-12
+
+
+def _compiled_kernels() -> tuple[list[str], object]:
+    import triton
+
+    compiled: list[str] = []
+    previous = triton.knobs.runtime.jit_cache_hook
+
+    def hook(*, fn, **_) -> None:
+        compiled.append(fn.name)
+
+    triton.knobs.runtime.jit_cache_hook = hook
+    return compiled, previous
+
+
+@gpu
+def test_attention_kernels_compile_once_for_every_step_shape() -> None:
+    """A step's metadata is sliced past its decodes and its block table is as wide as its longest context: none of
+    that may make Triton compile another variant of a kernel (over a second inside a serving step)."""
+    import triton
+
+    def step(num_decodes: int, prompt_context: int) -> None:
+        decode_lens = [300 + 37 * i for i in range(num_decodes)]
+        _check_backend([1] * num_decodes + [20, 9], decode_lens + [20, prompt_context], num_decodes, 8, 2, 64, 16,
+                       torch.bfloat16, None, "cuda")
+
+    step(2, 40)  # the first step compiles
+    compiled, previous = _compiled_kernels()
+    try:
+        for num_decodes, prompt_context in [(1, 41), (3, 200), (4, 257), (5, 512), (7, 513)]:
+            step(num_decodes, prompt_context)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert compiled == []

@@ -50,6 +50,30 @@ def test_gpu_batch_one_decode_matches_transformers_in_float32(tiny_model: TinyMo
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(model, [prompt], 16)[0]
 
 
+def test_gpu_first_requests_compile_no_kernel(tiny_model: TinyModelFactory) -> None:
+    """The start-up warm-up (ModelRunner._warm_up) and kernels that do not specialise on a step's shape: the
+    first requests - decodes beside prompts, a chunk after its cached prefix, a prompt long enough for the dense
+    path - compile no Triton kernel (each compilation is over a second inside a step)."""
+    import triton
+
+    model = tiny_model("llama", max_position_embeddings=2048)
+    llm = LLM(model=str(model), dtype="bfloat16", max_num_batched_tokens=1536, max_num_seqs=8)
+    compiled: list[str] = []
+    previous = triton.knobs.runtime.jit_cache_hook
+
+    def hook(*, fn, **_) -> None:
+        compiled.append(fn.name)
+
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        outputs = llm.generate(prompts_of((3, 40, 1100, 1300, 700, 17)),
+                               SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [6] * 6
+    assert compiled == []
+
+
 def test_gpu_bfloat16_agrees_on_the_first_tokens(tiny_model: TinyModelFactory) -> None:
     model = tiny_model("llama")
     prompts = prompts_of((9, 33))
@@ -115,3 +139,28 @@ def test_gpu_async_decode_launch_never_waits_for_the_device(tiny_model: TinyMode
     assert num_checked[0] >= 8
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in expected]
+
+
+def test_gpu_async_mixed_launch_never_waits_for_the_device(tiny_model: TinyModelFactory) -> None:
+    """Steps with prompt tokens too (fresh prompts, a chunk after its cached prefix, a prompt for the dense path,
+    decodes beside them): a launch that synchronised would leave the device idle while the host launches the
+    rest of an eager step (torch's sync debug mode raises on any). In bfloat16, so the dense path runs."""
+    model = str(tiny_model("llama", max_position_embeddings=2048))
+    prompts = prompts_of((5, 300, 1100, 40, 9))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model=model, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=1280, async_scheduling=True)
+    execute = llm.engine.runner.execute
+    num_mixed = [0]
+
+    def execute_without_sync(batch):  # type: ignore[no-untyped-def]
+        num_mixed[0] += any(item.num_new_tokens > 1 for item in batch.scheduled)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    llm.engine.runner.execute = execute_without_sync  # type: ignore[method-assign]
+    got = llm.generate(prompts, params)
+    assert num_mixed[0] >= 2
+    assert [len(o.outputs[0].token_ids) for o in got] == [8] * len(prompts)
