@@ -102,11 +102,13 @@ def wait_node(child: Child, timeout_s: float) -> None:
     child.wait_for_line("READY", timeout_s)
 
 
-def start_proxy(model: Path, prefill: str | None, decode: str, flags: Sequence[str], log_dir: Path,
+def start_proxy(model: Path, prefill: str | None, decode: str | Sequence[str], flags: Sequence[str], log_dir: Path,
                 timeout_s: float = 120.0) -> tuple[Child, str]:
-    """Starts the proxy in front of static nodes and returns once its /health answers 200."""
+    """Starts the proxy in front of static nodes (one decode node or several) and returns once its /health
+    answers 200."""
     port = free_port()
-    nodes = [*(["--prefill", prefill] if prefill else []), "--decode", decode]
+    decodes = [decode] if isinstance(decode, str) else list(decode)
+    nodes = [*(["--prefill", prefill] if prefill else []), *(flag for d in decodes for flag in ("--decode", d))]
     command = [sys.executable, "-m", "proxy", "--model", str(model), *nodes, "--host", "127.0.0.1",
                "--port", str(port), *flags]
     child = Child("proxy", command, log_dir / f"proxy-{port}.log", child_env({}))

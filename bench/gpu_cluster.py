@@ -1,7 +1,13 @@
-"""The whole Tandem path on one GPU, in one command: correctness, the handoff's latency, and serving figures.
+"""The whole Tandem path on one GPU (or two), in one command: correctness, the handoff's latency, and serving figures.
 
-    python bench/gpu_cluster.py --out OUT_DIR [--kv-backend ipc|nixl|mooncake|auto] [--model DIR]
+    python bench/gpu_cluster.py --out OUT_DIR [--kv-backend ipc|nixl|mooncake|auto] [--model DIR] [--gpus 2]
+                                [--goodput ttft:MS tpot:MS]
     python bench/gpu_cluster.py --out OUT_DIR --tiny --device cpu --kv-backend nixl    # CPU smoke run
+
+Two GPUs (`--gpus 2`, issue 17): P/D puts the prefill node on GPU 0 and the decode node on GPU 1, each with its
+GPU's memory; colocated runs a decode node on each GPU behind the proxy (two engines that prefill for themselves,
+the same two GPUs). `--goodput` adds goodput under those SLOs to every serving point. The steps below say "the
+GPU" for the one-GPU layout.
 
 What it does (about 8 minutes on one H200 with the 8B shape; a few minutes on a CPU with --tiny):
 1. Model: bench/models/llama8b-shape (Llama-3.1-8B's shape, SmolLM2's real tokenizer, config only), served with
@@ -78,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                             "or with --tiny a 4-layer model written under --out)")
     p.add_argument("--tiny", action="store_true", help="a tiny model and small workloads (CPU smoke run)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--gpus", type=int, default=1, choices=(1, 2),
+                   help="2: P on GPU 0 and D on GPU 1; colocated: a decode node on each GPU behind the proxy")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs for the serving points' goodput, as `tandem bench serve --goodput` takes them")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--kv-backend", default="ipc",
                    help="ipc (same host), nixl, mooncake, or auto (ipc here, nixl across hosts: needs nixl)")
@@ -133,31 +143,39 @@ class Run:
 
 
 def start_mode(run: Run, mode: str, children: list[Child]) -> tuple[str | None, str, str]:
-    """P and D ("pd") or D alone ("colocated"), and the proxy; appends each child as it starts (so the caller
-    stops what did start); returns (P's address or None, D's address, the proxy's URL)."""
+    """P and D ("pd") or D alone ("colocated"; with two GPUs, a D on each), and the proxy; appends each child as it
+    starts (so the caller stops what did start); returns (P's address or None, the first D's address, the proxy's
+    URL)."""
     plan, args, logs = run.plan, run.args, run.args.out / "logs"
     model, env = Path(plan.model), dict(plan.node_env)
 
-    def node(role: str, num_kv_blocks: int) -> tuple[Child, str]:
-        child, address = start_node(role, model, node_flags(plan, num_kv_blocks, args.seed, args.enforce_eager),
-                                    logs, env)
+    def node(role: str, num_kv_blocks: int, gpu: int | None) -> tuple[Child, str]:
+        flags = node_flags(plan, num_kv_blocks, args.seed, args.enforce_eager, gpu)
+        child, address = start_node(role, model, flags, logs, env)
         children.append(child)
         return child, address
 
     t0 = time.monotonic()
-    prefill, p_address = node("prefill", plan.prefill_kv_blocks) if mode == "pd" else (None, None)
-    # both nodes load at once: the GPU holds both, and the start takes one load instead of two
-    decode, d_address = node("decode", plan.decode_kv_blocks if mode == "pd" else plan.colocated_kv_blocks)
-    for child in (prefill, decode):
+    two_gpus = plan.num_gpus == 2
+    # the nodes load at once: the GPUs hold them all, and the start takes one load instead of two
+    if mode == "pd":
+        prefill, p_address = node("prefill", plan.prefill_kv_blocks, 0 if two_gpus else None)
+        decodes = [node("decode", plan.decode_kv_blocks, 1 if two_gpus else None)]
+    else:
+        prefill, p_address = None, None
+        decodes = [node("decode", plan.colocated_kv_blocks, gpu if two_gpus else None)
+                   for gpu in range(plan.num_gpus)]
+    for child in (prefill, *(d for d, _ in decodes)):
         if child is not None:
             wait_node(child, args.node_start_timeout_s)
+    d_addresses = [address for _, address in decodes]
     proxy_flags = ["--served-model-name", plan.served_name, "--block-size", str(plan.block_size),
                    "--max-model-len", str(plan.max_model_len), "--log-level", "warning", "--request-timeout", "600",
                    *(["--colocate-max-tokens", "0"] if mode == "pd" else [])]  # P/D: every request goes P -> D
-    proxy, url = start_proxy(model, p_address, d_address, proxy_flags, logs)
+    proxy, url = start_proxy(model, p_address, d_addresses, proxy_flags, logs)
     children.append(proxy)
     print(f"[{run.elapsed():5.0f} s] {mode}: nodes and proxy up in {time.monotonic() - t0:.0f} s ({url})", flush=True)
-    return p_address, d_address, url
+    return p_address, d_addresses[0], url
 
 
 def bench_points(run: Run, mode: str, url: str, deadline_s: float) -> None:
@@ -177,7 +195,7 @@ def bench_points(run: Run, mode: str, url: str, deadline_s: float) -> None:
         # a hung point must not eat the rest of the device call: at most what the budget has left, plus a margin
         timeout_s = min(600.0, max(60.0, run.args.time_budget_s + 60 - run.elapsed()))
         result = run_bench(point, url, plan.served_name, model, run.args.out / "raw" / f"{label}.json", label,
-                           timeout_s, bench_log)
+                           timeout_s, bench_log, plan.goodput)
         run.data["serving"].append(point_record(point, mode, result))
         print(f"[{run.elapsed():5.0f} s] {label}: " + (result.get("error") or
               f"{result['output_throughput']:.0f} out tok/s, TTFT {result['mean_ttft_ms']:.0f} ms, "

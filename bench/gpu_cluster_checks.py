@@ -178,14 +178,17 @@ class BenchPoint:
 
 
 def run_bench(point: BenchPoint, url: str, model: str, tokenizer: Path, result_path: Path | None, label: str,
-              timeout_s: float, log_path: Path) -> dict[str, Any]:
-    """One `python -m benchmark serve` run; its result file's keys (vLLM's), or {"error": ...}."""
+              timeout_s: float, log_path: Path, goodput: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One `python -m benchmark serve` run; its result file's keys (vLLM's), or {"error": ...}. `goodput`: SLOs
+    as `tandem bench serve --goodput` takes them ("ttft:MS", "tpot:MS", ...)."""
     command = [sys.executable, "-m", "benchmark", "serve", "--base-url", url, "--model", model,
                "--tokenizer", str(tokenizer), "--dataset-name", "random",
                "--random-input-len", str(point.input_len), "--random-output-len", str(point.output_len),
                "--num-prompts", str(point.num_prompts), "--max-concurrency", str(point.concurrency),
                "--seed", str(point.seed), "--request-timeout", str(int(timeout_s)), "--disable-tqdm",
                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--label", label]
+    if goodput:
+        command += ["--goodput", *goodput]
     if result_path is not None:
         command += ["--save-result", "--result-dir", str(result_path.parent), "--result-filename", result_path.name]
     with log_path.open("ab") as log:

@@ -44,6 +44,10 @@ class Plan:
     hf_output_len: int
     node_env: tuple[tuple[str, str], ...]
     node_args: tuple[str, ...]
+    # 1: both nodes share the one GPU (colocated: one decode node). 2: P/D puts P on GPU 0 and D on GPU 1; colocated
+    # runs a decode node on each GPU behind the proxy (the same two GPUs, no handoff)
+    num_gpus: int = 1
+    goodput: tuple[str, ...] = ()  # SLOs of the serving points, as `tandem bench serve --goodput` takes them
 
 
 # Run in a child: imports what the nodes, the proxy and the client import (a missing wheel or a gRPC/protobuf older
@@ -104,8 +108,9 @@ def split_kv_blocks(usable_bytes: float, per_node_bytes: float, block_bytes: int
 
 def kv_blocks(args: argparse.Namespace, model: Path, dtype_bytes: int, gpu_total_bytes: int | None
               ) -> tuple[int, int, int]:
+    """(P's, D's in P/D, each decode node's when colocated) KV blocks."""
     if args.device == "cpu":  # small pools: the CPU smoke run
-        return 512, 1024, 1536
+        return (1024, 1024, 1024) if args.gpus == 2 else (512, 1024, 1536)
     total = args.gpu_memory_gib * GIB if args.gpu_memory_gib else gpu_total_bytes
     assert total, "a GPU run knows the GPU's memory"
     # The engine builds the model in float32 and then casts it: the float32 storage stays in the process's CUDA
@@ -113,6 +118,13 @@ def kv_blocks(args: argparse.Namespace, model: Path, dtype_bytes: int, gpu_total
     # the bf16 weights. Counted here so the two nodes' pools fit next to it.
     weights = num_parameters(model) * dtype_bytes
     per_node = weights + (weights if dtype_bytes < 4 else 0) + args.node_reserve_gib * GIB
+    if args.gpus == 2:  # a GPU per node in both modes: each node's pool is what its GPU has left
+        block_bytes = kv_block_bytes(model, args.block_size, dtype_bytes)
+        per_gpu = int((total * args.memory_fraction - per_node) // block_bytes)
+        if per_gpu < 1:
+            raise SystemExit(f"a node of {per_node / GIB:.1f} GiB leaves no KV memory on a GPU of "
+                             f"{total / GIB:.1f} GiB")
+        return per_gpu, per_gpu, per_gpu
     return split_kv_blocks(total * args.memory_fraction, per_node, kv_block_bytes(model, args.block_size, dtype_bytes),
                            args.prefill_kv_share)
 
@@ -149,13 +161,16 @@ def make_plan(args: argparse.Namespace, gpu_total_bytes: int | None) -> Plan:
                 latency_prompt_lens=(64, 512) if args.tiny else (1024, 8192), latency_runs=args.latency_runs,
                 correctness_tokens=32, hf_batch_sizes="1,4" if args.tiny else "1,16",
                 hf_input_len=short[0], hf_output_len=short[1], node_env=tuple(sorted(env.items())),
-                node_args=tuple(node_args))
+                node_args=tuple(node_args), num_gpus=args.gpus, goodput=tuple(args.goodput))
 
 
-def node_flags(plan: Plan, num_kv_blocks: int, seed: int, enforce_eager: bool) -> list[str]:
-    flags = ["--dtype", plan.dtype, "--kv-backend", plan.kv_backend, "--load-format", "dummy", "--seed", str(seed),
-             "--block-size", str(plan.block_size), "--num-kv-blocks", str(num_kv_blocks),
-             "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs),
-             "--max-num-batched-tokens", str(plan.max_num_batched_tokens), "--log-level", "WARNING",
-             "--drain-timeout", "10"]
+def node_flags(plan: Plan, num_kv_blocks: int, seed: int, enforce_eager: bool, gpu: int | None = None) -> list[str]:
+    """A node's flags; `gpu`: its GPU's index on a machine of several (all GPUs stay visible to every node, so
+    CUDA IPC handles name the same devices in each)."""
+    device = [] if gpu is None or plan.device != "cuda" else ["--device", f"cuda:{gpu}"]
+    flags = device + ["--dtype", plan.dtype, "--kv-backend", plan.kv_backend, "--load-format", "dummy",
+                      "--seed", str(seed), "--block-size", str(plan.block_size), "--num-kv-blocks", str(num_kv_blocks),
+                      "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs),
+                      "--max-num-batched-tokens", str(plan.max_num_batched_tokens), "--log-level", "WARNING",
+                      "--drain-timeout", "10"]
     return flags + (["--enforce-eager"] if enforce_eager else []) + list(plan.node_args)

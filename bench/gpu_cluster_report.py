@@ -21,14 +21,15 @@ def serving_table(serving: list[dict[str, Any]], hf: list[dict[str, Any]]) -> li
         status = r.get("skipped") or r.get("error") or ""
         rows.append([f"{r['input_len']} / {r['output_len']}", str(r["concurrency"]), str(r["num_prompts"]),
                      _MODES.get(r["mode"], r["mode"]), _number(r.get("request_throughput"), 2),
-                     _number(r.get("output_throughput"), 0), _number(r.get("mean_ttft_ms"), 0),
-                     _number(r.get("p99_ttft_ms"), 0), _number(r.get("mean_tpot_ms"), 1),
-                     _number(r.get("p99_itl_ms"), 1), str(r.get("failed", "")), status])
+                     _number(r.get("output_throughput"), 0), _number(r.get("median_ttft_ms"), 0),
+                     _number(r.get("p99_ttft_ms"), 0), _number(r.get("median_tpot_ms"), 1),
+                     _number(r.get("p99_tpot_ms"), 1), _number(r.get("request_goodput"), 2),
+                     str(r.get("failed", "")), status])
     for r in hf:
         rows.append([f"{r['input_len']} / {r['output_len']}", f"batch {r['batch_size']}", str(r["batch_size"]),
-                     "transformers generate", "", _number(r["output_throughput"], 0), "", "", "", "", "", ""])
-    return _table(["in / out", "concurrency", "prompts", "mode", "req/s", "out tok/s", "TTFT mean ms",
-                   "TTFT p99 ms", "TPOT mean ms", "ITL p99 ms", "failed", "note"], rows)
+                     "transformers generate", "", _number(r["output_throughput"], 0), "", "", "", "", "", "", ""])
+    return _table(["in / out", "concurrency", "prompts", "mode", "req/s", "out tok/s", "TTFT p50 ms",
+                   "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "goodput req/s", "failed", "note"], rows)
 
 
 def latency_table(latency: list[dict[str, Any]]) -> list[str]:
@@ -47,8 +48,13 @@ def latency_table(latency: list[dict[str, Any]]) -> list[str]:
 def markdown_report(data: dict[str, Any]) -> str:
     plan = data["plan"]
     device = data.get("device_info", {}).get("gpu") or plan["device"]
-    lines = [f"## Tandem on one GPU: {plan['model'].rsplit('/', 1)[-1]} ({plan['dtype']}, {device}), "
+    num_gpus = plan.get("num_gpus", 1)
+    layout = "one GPU" if num_gpus == 1 else (f"{num_gpus} GPUs (P/D: P on GPU 0, D on GPU 1; colocated: a decode "
+                                              f"node on each GPU)")
+    lines = [f"## Tandem on {layout}: {plan['model'].rsplit('/', 1)[-1]} ({plan['dtype']}, {device}), "
              f"KV backend {plan['kv_backend']}", ""]
+    if plan.get("goodput"):
+        lines += [f"Goodput SLOs: {' '.join(plan['goodput'])}", ""]
     correctness = data.get("correctness", {})
     verdict = "OK" if correctness.get("ok") else "FAIL"
     lines += [f"Correctness (P/D vs colocated, greedy {plan['correctness_tokens']} tokens): **{verdict}**", ""]

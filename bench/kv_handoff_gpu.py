@@ -3,7 +3,7 @@
     python bench/kv_handoff_gpu.py [--device cuda|cpu] [--backends nixl,nixl-write,ipc,mooncake]
         [--prompt-tokens 1024,4096,16384] [--repeats 20] [--warmup 3] [--json FILE]
         [--variant 'name=NAME ucx_config=KEY=VALUE,... env:NAME=VALUE ...'] ... [--ucx-devices lo]
-        [--mooncake-protocol tcp] [--job-timeout 240]
+        [--mooncake-protocol tcp] [--job-timeout 240] [--devices P,D]
 
 Each pool is laid out like the engine's KV cache, block-major [num_blocks, num_layers, 2, block_size, kv_heads,
 head_dim], Llama-3.1-8B shaped (32 layers, 8 KV heads of 128, blocks of 16 tokens: 2 MiB a block), filled with
@@ -26,6 +26,11 @@ process environment (`env:NAME=VALUE`, for what NIXL cannot take as a setting, e
 cuda_copy,tcp`). This launcher sets that environment in P and D before they import a transport library, along
 with NIXL_LOG_LEVEL=WARN and UCX_MODULES=^ib (one machine, no InfiniBand; ENV-NOTES). The other backends and the
 baseline run under the first variant only. Default: one variant, "default" (the connector's own settings).
+
+Two GPUs: `--devices 0,1` puts P's pool on cuda:0 and D's on cuda:1 (default 0,0: one GPU); the baseline is then a
+plain device-to-device copy between the two GPUs (source pool on P's GPU, `copy_` into D's), and "x copy" compares
+each backend with it (issue 17's goal: >= 0.8 of it). For Mooncake between GPUs, its intra-node CUDA IPC transport:
+`--backends mooncake --mooncake-protocol nvlink_intra --variant 'name=nvlink_intra env:MC_INTRANODE_NVLINK=1'`.
 
 `--device cpu` runs the same on host memory (2-layer blocks of 128 KiB, 256 and 1024 tokens) as a smoke test.
 Bandwidth in GB/s (1e9 bytes/s). Prints a markdown table last; `--json FILE` writes rows, skips and settings.
@@ -172,8 +177,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--job-timeout", type=float, default=240.0,
                         help="seconds one backend's processes may take before they are killed (default 240)")
+    parser.add_argument("--devices", default="0,0", help="P's GPU and D's, e.g. 0,1 (cuda only; default 0,0)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    try:
+        prefill_index, decode_index = (int(i) for i in args.devices.split(","))
+    except ValueError:
+        parser.error(f"--devices takes two GPU indices, P's and D's, e.g. 0,1 (got {args.devices!r})")
+    if args.device == "cpu" and (prefill_index, decode_index) != (0, 0):
+        parser.error("--devices is for --device cuda")
     on_cpu = args.device == "cpu"
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     prompt_tokens = [int(t) for t in (args.prompt_tokens or ("256,1024" if on_cpu else "1024,4096,16384")).split(",")]
@@ -185,7 +197,8 @@ def main() -> None:
     variants = args.variant or [Variant("default")]
     base = WorkerSpec(backend="copy", device=args.device, num_layers=args.num_layers or (2 if on_cpu else 32),
                       pool_blocks=pool_blocks, cases=make_cases(prompt_tokens, pool_blocks, args.seed),
-                      warmup=args.warmup, repeats=args.repeats)
+                      warmup=args.warmup, repeats=args.repeats, prefill_device_index=prefill_index,
+                      decode_device_index=decode_index)
 
     rows: list[dict[str, Any]] = []
     # a backend this checkout lacks (e.g. "ipc" before it lands) is a skip, so one command line fits every branch
@@ -208,10 +221,13 @@ def main() -> None:
     for row in rows:
         row["x_copy"] = row["median_gb_s"] / contiguous_copy[row["tokens"]] if row["tokens"] in contiguous_copy else 0.0
     if args.json:
-        meta = {"device": args.device, "host": platform.node(), "argv": sys.argv[1:], "pool_blocks": pool_blocks,
+        meta = {"device": args.device, "devices": args.devices, "host": platform.node(), "argv": sys.argv[1:],
+                "pool_blocks": pool_blocks,
                 "num_layers": base.num_layers, "block_size": BLOCK_SIZE, "repeats": args.repeats,
                 "warmup": args.warmup, "variants": [vars(v) for v in variants], "versions": versions()}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=2) + "\n")
+    print(f"P's pool on {base.torch_device('prefill')}, D's on {base.torch_device('decode')}; x copy: over the "
+          "contiguous copy between the same two pools")
     print(markdown(rows, skipped))
 
 

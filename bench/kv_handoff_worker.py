@@ -44,6 +44,16 @@ class WorkerSpec:
     env: dict[str, str] = field(default_factory=dict)
     connector_options: dict[str, Any] = field(default_factory=dict)
     read_timeout_s: float = 120.0
+    # on cuda: the GPUs of P's pool and D's (bench/kv_handoff_gpu.py --devices); the copy baseline's source pool
+    # sits on P's GPU, so with two GPUs it is a plain device-to-device copy between them
+    prefill_device_index: int = 0
+    decode_device_index: int = 0
+
+    def torch_device(self, side: str) -> str:
+        """"cpu", or "cuda:N" of side "prefill" or "decode"."""
+        if self.device != "cuda":
+            return self.device
+        return f"cuda:{self.prefill_device_index if side == 'prefill' else self.decode_device_index}"
 
 
 def pool_shape(spec: WorkerSpec) -> tuple[int, ...]:
@@ -51,11 +61,12 @@ def pool_shape(spec: WorkerSpec) -> tuple[int, ...]:
     return (spec.pool_blocks, spec.num_layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
 
 
-def make_pool(spec: WorkerSpec, seed: int) -> Any:
+def make_pool(spec: WorkerSpec, seed: int, side: str) -> Any:
     import torch
 
-    generator = torch.Generator(device=spec.device).manual_seed(seed)
-    return torch.randn(pool_shape(spec), dtype=torch.bfloat16, device=spec.device, generator=generator)
+    device = spec.torch_device(side)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(pool_shape(spec), dtype=torch.bfloat16, device=device, generator=generator)
 
 
 def block_digests(pool: Any, block_ids: Any) -> list[int]:
@@ -77,11 +88,13 @@ def scramble(pool: Any, block_ids: Any) -> None:
     pool[ids] = torch.randn((ids.numel(), *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
 
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
+def synchronize(spec: WorkerSpec) -> None:
+    """P's and D's GPUs (a cross-GPU copy runs on either side's stream)."""
+    if spec.device == "cuda":
         import torch
 
-        torch.cuda.synchronize()
+        for index in sorted({spec.prefill_device_index, spec.decode_device_index}):
+            torch.cuda.synchronize(index)
 
 
 def _apply_environment(spec: WorkerSpec) -> None:
@@ -114,8 +127,8 @@ def serve(link: Connection, spec: WorkerSpec) -> None:
         if spec.device == "cuda":
             import torch
 
-            torch.cuda.set_device(0)
-        pool = make_pool(spec, seed=1)
+            torch.cuda.set_device(spec.prefill_device_index)
+        pool = make_pool(spec, seed=1, side="prefill")
         connector = _make_connector(spec)
         link.send(("ready", connector.register(KVRegion.from_buffer(pool))))
     except Exception as e:
@@ -153,7 +166,7 @@ class _Mover:
         """Fresh values in D's blocks (the destination of a READ or copy, the source of a WRITE), one move, then
         P's and D's digests must agree."""
         scramble(self.pool, case.local_ids)
-        synchronize(self.spec.device)
+        synchronize(self.spec)
         self.move(case)
         return self.remote_digests(case) == block_digests(self.pool, case.local_ids)
 
@@ -256,23 +269,23 @@ class _NixlWrite(_Mover):
 
 class _DeviceCopy(_Mover):
     """The baseline: the same blocks copied inside one process, one `copy_` per run (one for a contiguous case),
-    from a second pool standing for P's, timed with the device synchronised before and after."""
+    from a second pool standing for P's (on P's GPU), timed with both devices synchronised before and after."""
 
     op = "copy"
 
     def __init__(self, spec: WorkerSpec, pool: Any) -> None:
         super().__init__(spec, pool, None)
-        self.source = make_pool(spec, seed=3)
+        self.source = make_pool(spec, seed=3, side="prefill")
 
     def move(self, case: Case) -> float:
         from kvtransfer.descriptors import coalesce_runs
 
         runs = coalesce_runs(case.remote_ids, case.local_ids).to_list()
-        synchronize(self.spec.device)
+        synchronize(self.spec)
         start = time.perf_counter()
         for remote, local, length in runs:
             self.pool[local:local + length].copy_(self.source[remote:remote + length])
-        synchronize(self.spec.device)
+        synchronize(self.spec)
         return time.perf_counter() - start
 
     def remote_digests(self, case: Case) -> list[int]:
@@ -288,8 +301,8 @@ def measure(results: Connection, link: Connection | None, spec: WorkerSpec) -> N
         if spec.device == "cuda":
             import torch
 
-            torch.cuda.set_device(0)
-        pool = make_pool(spec, seed=2)
+            torch.cuda.set_device(spec.decode_device_index)
+        pool = make_pool(spec, seed=2, side="decode")
         if spec.backend == "copy":
             mover = _DeviceCopy(spec, pool)
         else:
@@ -329,7 +342,8 @@ def _measure_case(mover: _Mover, case: Case, spec: WorkerSpec) -> dict[str, Any]
             "blocks": len(case.remote_ids), "descriptors": len(coalesce_runs(case.remote_ids, case.local_ids)),
             "bytes": num_bytes, "median_ms": median * 1e3, "best_ms": min(seconds) * 1e3,
             "median_gb_s": num_bytes / median / 1e9, "best_gb_s": num_bytes / min(seconds) / 1e9,
-            "verified": verified, "device_name": device_name(spec.device), **mover.details}
+            "verified": verified, "device_name": device_name(spec.device),
+            "devices": f"{spec.torch_device('prefill')} -> {spec.torch_device('decode')}", **mover.details}
 
 
 def device_name(device: str) -> str:

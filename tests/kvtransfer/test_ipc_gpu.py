@@ -1,5 +1,5 @@
 """The ipc backend between GPU pools (CUDA IPC): the contract's key checks, with two processes that each hold
-their KV pool in a CUDA tensor. Needs a CUDA device (a second one for the cross-GPU check).
+their KV pool in a CUDA tensor. Needs a CUDA device (a second one for the cross-GPU check, marked multi_gpu).
 
     python -m pytest -q tests/kvtransfer/test_ipc_gpu.py
 """
@@ -133,6 +133,7 @@ def test_gpu_and_host_pools_refuse_each_other(pair: Pair, spawn_peer: Callable[.
     assert_remote_error(error, "IncompatiblePeerError", "its KV pool is in VRAM, ours in DRAM")
 
 
+@pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_gpu_read_from_a_pool_on_another_gpu_of_the_host(pair: Pair, spawn_peer: Callable[..., PeerProcess]) -> None:
     reader = spawn_peer(device="cuda:1", seed=9)
