@@ -112,6 +112,44 @@ def _launch_report(launches: list[tuple[bool, float]]) -> str:
             f"decode-only: {summary([t for p, t in launches if not p])}")
 
 
+def _trace_host(sampled_step_class) -> tuple[list[float], list[tuple[int, float]]]:
+    """(seconds the host waited for each step's samples, (generation, seconds) of each garbage collection). A host
+    that never waits is the bottleneck: the device idles between steps."""
+    import gc
+
+    waits: list[float] = []
+    collections: list[tuple[int, float]] = []
+    wait = sampled_step_class.wait
+
+    def timed_wait(self):
+        start = time.perf_counter()
+        wait(self)
+        waits.append(time.perf_counter() - start)
+
+    sampled_step_class.wait = timed_wait
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - started[0]))
+
+    gc.callbacks[:] = [c for c in gc.callbacks if getattr(c, "__name__", "") != "on_gc"] + [on_gc]
+    return waits, collections
+
+
+def _host_report(waits: list[float], collections: list[tuple[int, float]]) -> str:
+    waits = sorted(waits)
+    idle = sum(1 for w in waits if w < 1e-4)
+    full = [s for g, s in collections if g == 2]
+    paused = sum(s for _, s in collections)
+    return (f"host waited for the device: median {waits[len(waits) // 2] * 1e3:.1f} ms a step, {idle} of "
+            f"{len(waits)} steps not at all; garbage collections: {len(collections)} ({paused:.2f} s), full ones "
+            f"{len(full)} ({sum(full):.2f} s, longest {max(full, default=0) * 1e3:.0f} ms)"
+            if waits else "no step waited")
+
+
 def _trace_compiles() -> list[tuple[float, float, str]]:
     """(start, end, kernel) of every Triton compilation from now on: a step that compiles a kernel (a new
     specialisation) pays seconds that a warm engine would not."""
@@ -177,6 +215,8 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="also print where the time went: steps with prompt tokens vs decode-only steps, "
                              "the slowest prompt steps and the Triton compilations during the run")
+    parser.add_argument("--gc-unfreeze", action="store_true",
+                        help="undo the engine's gc.freeze() after start-up (to measure what it buys)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the workload this many times in one engine (a later run shows a warm engine)")
     args = parser.parse_args()
@@ -193,6 +233,10 @@ def main() -> None:
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
               async_scheduling=not args.sync)
     start_seconds = time.perf_counter() - started
+    if args.gc_unfreeze:
+        import gc
+
+        gc.unfreeze()
     model = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     num_params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
@@ -214,7 +258,7 @@ def main() -> None:
         f"read bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s (measured in this run)",
         f"workload: {args.num_prompts} x {args.prompt_len} in / {args.output_len} out, greedy, ignore_eos; "
         f"asynchronous scheduling: {not args.sync}; engine start (load, profile, graphs, warm-up) "
-        f"{start_seconds:.1f} s",
+        f"{start_seconds:.1f} s; gc frozen after start-up: {not args.gc_unfreeze}",
         "",
         "| run | output tok/s | seconds | roofline s (prefill + decode) | roofline tok/s | of the roofline "
         "| with decode matmuls' compute s | of that bound |",
@@ -226,6 +270,10 @@ def main() -> None:
         llm.engine.scheduler.schedule = schedule
         trace = _trace_steps(llm.engine.scheduler) if args.trace else None
         launches = _trace_launches(llm.engine.runner) if args.trace else []
+        if args.trace:
+            from engine.sampled_step import SampledStep
+
+            waits, collections = _trace_host(SampledStep)
         compiles = _trace_compiles() if args.trace else []
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -239,7 +287,8 @@ def main() -> None:
                      f"| {bound / elapsed:.2f} |")
         if trace is not None:
             traces.append((run, [*_trace_report(trace, time.perf_counter(), LLAMA_31_8B, weight_bytes, bandwidth,
-                                                compiles), _launch_report(launches)]))
+                                                compiles), _launch_report(launches),
+                                 _host_report(waits, collections)]))
     for run, trace_lines in traces:
         lines += ["", f"run {run}:", *trace_lines]
     report = "\n".join(lines)
