@@ -215,8 +215,8 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="also print where the time went: steps with prompt tokens vs decode-only steps, "
                              "the slowest prompt steps and the Triton compilations during the run")
-    parser.add_argument("--gc-unfreeze", action="store_true",
-                        help="undo the engine's gc.freeze() after start-up (to measure what it buys)")
+    parser.add_argument("--gc-threshold", type=int, default=None,
+                        help="the garbage collector's first threshold after start-up (Python's default is 700)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the workload this many times in one engine (a later run shows a warm engine)")
     args = parser.parse_args()
@@ -233,10 +233,10 @@ def main() -> None:
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
               async_scheduling=not args.sync)
     start_seconds = time.perf_counter() - started
-    if args.gc_unfreeze:
+    if args.gc_threshold is not None:
         import gc
 
-        gc.unfreeze()
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     model = llm.engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     num_params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
@@ -258,7 +258,7 @@ def main() -> None:
         f"read bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s (measured in this run)",
         f"workload: {args.num_prompts} x {args.prompt_len} in / {args.output_len} out, greedy, ignore_eos; "
         f"asynchronous scheduling: {not args.sync}; engine start (load, profile, graphs, warm-up) "
-        f"{start_seconds:.1f} s; gc frozen after start-up: {not args.gc_unfreeze}",
+        f"{start_seconds:.1f} s; gc thresholds {__import__('gc').get_threshold()}",
         "",
         "| run | output tok/s | seconds | roofline s (prefill + decode) | roofline tok/s | of the roofline "
         "| with decode matmuls' compute s | of that bound |",

@@ -28,7 +28,6 @@ whose drafts were accepted. Constrained requests get no drafts.
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 from collections.abc import Mapping, Sequence
@@ -123,11 +122,6 @@ class LLMEngine:
         self.max_tokens_per_request = min(self.max_model_len, self.runner.num_blocks * cfg.block_size)
         self.structured_outputs = StructuredOutputCompiler(self.model_config.path, self.model_config.vocab_size,
                                                            self.model_config.eos_token_ids, self.tokenizer)
-        # What start-up made lives as long as the process: out of the collector's generations, so a full collection
-        # between two steps scans only what serving allocates, not the model's objects (a long pause on the host
-        # leaves the device idle behind the one step it runs ahead).
-        gc.collect()
-        gc.freeze()
 
     @property
     def requests(self) -> Mapping[str, Request]:
