@@ -276,6 +276,7 @@ def main() -> None:
             waits, collections = _trace_host(SampledStep)
         compiles = _trace_compiles() if args.trace else []
         torch.cuda.synchronize()
+        memory_before = torch.cuda.memory_stats()
         start = time.perf_counter()
         outputs = llm.generate(random_prompts(run, args.num_prompts, args.prompt_len), params)
         torch.cuda.synchronize()
@@ -286,9 +287,13 @@ def main() -> None:
                      f"{decode:.2f}) | {num_out / roofline:,.0f} | {roofline / elapsed:.2f} | {bound:.2f} "
                      f"| {bound / elapsed:.2f} |")
         if trace is not None:
+            memory = {key: torch.cuda.memory_stats().get(key, 0) - memory_before.get(key, 0)
+                      for key in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
             traces.append((run, [*_trace_report(trace, time.perf_counter(), LLAMA_31_8B, weight_bytes, bandwidth,
                                                 compiles), _launch_report(launches),
-                                 _host_report(waits, collections)]))
+                                 _host_report(waits, collections),
+                                 "caching allocator during the run (a retry or a device free synchronises): "
+                                 + ", ".join(f"{key} {value}" for key, value in memory.items())]))
     for run, trace_lines in traces:
         lines += ["", f"run {run}:", *trace_lines]
     report = "\n".join(lines)
