@@ -67,7 +67,7 @@ def main() -> None:
     runner.execute = execute  # type: ignore[method-assign]
     items = sorted(captured[0].scheduled, key=lambda s: s.num_new_tokens != 1)
     with torch.inference_mode():
-        input_ids, positions, meta, _ = runner._prepare(items)
+        input_ids, positions, meta, _ = runner._device_inputs(runner._host_inputs(items))
         start = time.perf_counter()
         for _ in range(args.steps):
             hidden = runner.model(input_ids, positions, runner.kv_caches, meta, runner.backend)
