@@ -40,8 +40,10 @@ lint: setup
 protos: setup
 	$(PY) -m protos.generate
 
+# two pytest-xdist workers (CI's two cores); each test file stays on one worker (tests/conftest.py)
+PYTEST_WORKERS ?= 2
 unit: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test: lint unit
 

@@ -22,8 +22,36 @@ import pytest  # noqa: E402
 
 from tests.fixtures.tiny_models import TinyModelFactory, build_tiny_model, train_tokenizer  # noqa: E402
 
-# Tiny models gain nothing from many threads, and parallel test workers would oversubscribe the CPU.
-torch.set_num_threads(2)
+# Tiny models gain nothing from many threads, and parallel test workers would oversubscribe the CPU: one thread
+# each when pytest-xdist runs the suite on several workers (`make unit`).
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+# `make unit` runs the suite on pytest-xdist workers with `--dist loadfile`: a file's tests stay on one worker, so
+# the module-scoped clusters and peers of the integration and transfer tests start once. These files also share a
+# worker, one after the other: both start a local Ray instance (ray.init(address="local")), or both use the
+# SmolLM2 oracle, a session fixture that takes a while to load.
+_SHARED_WORKER = {
+    "tests/integration/test_cluster.py": "local-ray",
+    "tests/integration/test_gpu_placement.py": "local-ray",
+    "tests/integration/test_real_model.py": "smollm2",
+    "tests/unit/test_smollm2.py": "smollm2",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without pytest-xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` with the files of _SHARED_WORKER grouped. (Not xdist_group marks with `--dist loadgroup`:
+    xdist 3.8 renames the test ids to group them, which pytest 9.2 no longer lets it do.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileOrGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _SHARED_WORKER.get(path, path)
+
+    return LoadFileOrGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

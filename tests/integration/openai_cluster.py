@@ -18,7 +18,7 @@ import openai
 
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from tests.integration.processes import Process, start_node, start_proxy
+from tests.integration.processes import Process, launch_node, launch_proxy, wait_for_proxy
 
 API_KEY = "sk-tandem-test"
 CHAT: Any = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
@@ -75,18 +75,25 @@ def running_cluster(model: Path, log_dir: Path, with_guarded_proxy: bool = True,
     key and --max-num-requests 1; decode_args are extra flags of D. Everything is stopped on exit."""
     processes: list[Process] = []
     try:
-        prefill, prefill_address = start_node("prefill", model, "nixl", log_dir)
+        prefill, prefill_address = launch_node("prefill", model, "nixl", log_dir)
         processes.append(prefill)
-        decode, decode_address = start_node("decode", model, "nixl", log_dir, decode_args)
+        decode, decode_address = launch_node("decode", model, "nixl", log_dir, decode_args)
         processes.append(decode)
-        proxy, url = start_proxy(model, prefill_address, decode_address, log_dir,
-                                 ["--block-size", "4", "--colocate-max-tokens", "0"])
+        for node in (prefill, decode):
+            node.wait_for_line("READY")
+        # the proxies start once both nodes serve, as they would find a running cluster
+        proxy, url = launch_proxy(model, prefill_address, decode_address, log_dir,
+                                  ["--block-size", "4", "--colocate-max-tokens", "0"])
         processes.append(proxy)
+        proxies = [(proxy, url)]
         guarded_url = None
         if with_guarded_proxy:
-            guarded, guarded_url = start_proxy(model, prefill_address, decode_address, log_dir,
-                                               ["--block-size", "4", "--api-key", API_KEY, "--max-num-requests", "1"])
+            guarded, guarded_url = launch_proxy(model, prefill_address, decode_address, log_dir,
+                                                ["--block-size", "4", "--api-key", API_KEY, "--max-num-requests", "1"])
             processes.append(guarded)
+            proxies.append((guarded, guarded_url))
+        for process, process_url in proxies:
+            wait_for_proxy(process, process_url)
         yield Cluster(model, prefill_address, decode_address, url, guarded_url, processes)
     finally:
         for process in reversed(processes):

@@ -15,12 +15,19 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+# Ports this process handed out. Processes are started side by side, each before the last one has bound its port,
+# so the kernel could offer a port again that a child is still about to take.
+_handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class Process:
@@ -72,29 +79,49 @@ def node_args(model: Path, port: int, backend: str = "nixl") -> list[str]:
             "--block-size", "4", "--num-kv-blocks", "64", "--max-num-seqs", "8", "--log-level", "WARNING"]
 
 
-def start_node(role: str, model: Path, backend: str, log_dir: Path, extra: list[str] | None = None,
-               env: dict[str, str] | None = None, port: int | None = None) -> tuple[Process, str]:
+def launch_node(role: str, model: Path, backend: str, log_dir: Path, extra: list[str] | None = None,
+                env: dict[str, str] | None = None, port: int | None = None) -> tuple[Process, str]:
+    """A node process, started but not yet serving: `process.wait_for_line("READY")` waits for it. Nodes
+    launched together load side by side (most of a node's start is importing torch and loading the model)."""
     port = port or free_port()
     process = Process(f"{role}_node", [*node_args(model, port, backend), *(extra or [])], log_dir, env)
-    process.wait_for_line("READY")
     return process, f"127.0.0.1:{port}"
+
+
+def start_node(role: str, model: Path, backend: str, log_dir: Path, extra: list[str] | None = None,
+               env: dict[str, str] | None = None, port: int | None = None) -> tuple[Process, str]:
+    process, address = launch_node(role, model, backend, log_dir, extra, env, port)
+    process.wait_for_line("READY")
+    return process, address
+
+
+def launch_proxy(model: Path, prefill: str | None, decode: str | None, log_dir: Path, extra: list[str] | None = None
+                 ) -> tuple[Process, str]:
+    """A proxy process, started but not yet answering: `wait_for_proxy` waits for it."""
+    port = free_port()
+    nodes = [*(["--prefill", prefill] if prefill else []), *(["--decode", decode] if decode else [])]
+    process = Process("proxy", ["--model", str(model), *nodes,
+                                "--port", str(port), "--log-level", "warning", "--request-timeout", "60",
+                                *(extra or [])], log_dir)
+    return process, f"http://127.0.0.1:{port}"
 
 
 def start_proxy(model: Path, prefill: str | None, decode: str | None, log_dir: Path, extra: list[str] | None = None
                 ) -> tuple[Process, str]:
     """A proxy in front of static nodes, or (prefill and decode None, `--registry` in extra) of registered ones;
     returns once its /health answers 200."""
-    port = free_port()
-    nodes = [*(["--prefill", prefill] if prefill else []), *(["--decode", decode] if decode else [])]
-    process = Process("proxy", ["--model", str(model), *nodes,
-                                "--port", str(port), "--log-level", "warning", "--request-timeout", "60",
-                                *(extra or [])], log_dir)
-    url = f"http://127.0.0.1:{port}"
+    process, url = launch_proxy(model, prefill, decode, log_dir, extra)
+    wait_for_proxy(process, url)
+    return process, url
+
+
+def wait_for_proxy(process: Process, url: str) -> None:
+    """Returns once the proxy's /health answers 200 (it has a decode node up)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
+                return
         except httpx.HTTPError:
             pass
         if not process.alive:
@@ -149,15 +176,17 @@ class RedisServer:
 
 @contextlib.contextmanager
 def pd_cluster(model: Path, backend: str, log_dir: Path, node_flags: list[str] | None = None,
-               proxy_flags: list[str] | None = None) -> Iterator[str]:
+               proxy_flags: list[str] | None = None, ready_timeout_s: float = 90.0) -> Iterator[str]:
     """A prefill node, a decode node and a proxy in front of them that hands every request from P to D
     (`--colocate-max-tokens 0`); yields the proxy's URL and stops all three on exit, also when one fails to start."""
     processes: list[Process] = []
     try:
-        prefill, prefill_address = start_node("prefill", model, backend, log_dir, node_flags)
+        prefill, prefill_address = launch_node("prefill", model, backend, log_dir, node_flags)
         processes.append(prefill)
-        decode, decode_address = start_node("decode", model, backend, log_dir, node_flags)
+        decode, decode_address = launch_node("decode", model, backend, log_dir, node_flags)
         processes.append(decode)
+        for node in (prefill, decode):
+            node.wait_for_line("READY", timeout=ready_timeout_s)
         proxy, url = start_proxy(model, prefill_address, decode_address, log_dir,
                                  ["--colocate-max-tokens", "0", *(proxy_flags or [])])
         processes.append(proxy)

@@ -25,7 +25,7 @@ from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from tests.fixtures.tiny_models import VOCAB_SIZE, TinyModelFactory
 from tests.integration.openai_cluster import wait_until
-from tests.integration.processes import Process, start_node
+from tests.integration.processes import Process, launch_node
 
 pytestmark = pytest.mark.integration
 
@@ -77,10 +77,12 @@ def nodes(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory
     processes: list[Process] = []
     channels: list[grpc.Channel] = []
     try:
-        prefill, prefill_address = start_node("prefill", model, "nixl", log_dir)
+        prefill, prefill_address = launch_node("prefill", model, "nixl", log_dir)
         processes.append(prefill)
-        decode, decode_address = start_node("decode", model, "nixl", log_dir)
+        decode, decode_address = launch_node("decode", model, "nixl", log_dir)
         processes.append(decode)
+        for process in processes:
+            process.wait_for_line("READY")
         channels = [grpc.insecure_channel(prefill_address), grpc.insecure_channel(decode_address)]
         prefill_stub = tandem_pb2_grpc.PrefillServiceStub(channels[0])
         decode_stub = tandem_pb2_grpc.DecodeServiceStub(channels[1])

@@ -19,7 +19,7 @@ import pytest
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
-from tests.integration.processes import start_node, start_proxy
+from tests.integration.processes import launch_node, start_node, start_proxy
 
 pytestmark = pytest.mark.integration
 BACKENDS = ["nixl", "mooncake", "ipc", "auto"]
@@ -29,12 +29,19 @@ class Cluster:
     def __init__(self, model: Path, backend: str, log_dir: Path, lease_seconds: float = 30.0) -> None:
         self.model, self.backend, self.log_dir = model, backend, log_dir
         self.lease_seconds = lease_seconds
-        self.prefill, self.prefill_address = start_node("prefill", model, backend, log_dir,
-                                                        ["--lease-seconds", str(lease_seconds)])
-        self.decode, self.decode_address = start_node("decode", model, backend, log_dir)
-        # these tests are about the P/D handoff: the router must never run a (short) prompt on D alone
-        self.proxy, self.url = start_proxy(model, self.prefill_address, self.decode_address, log_dir,
-                                           ["--colocate-max-tokens", "0"])
+        self.prefill, self.prefill_address = launch_node("prefill", model, backend, log_dir,
+                                                         ["--lease-seconds", str(lease_seconds)])
+        self.decode, self.decode_address = launch_node("decode", model, backend, log_dir)
+        try:
+            for node in (self.prefill, self.decode):
+                node.wait_for_line("READY")
+            # these tests are about the P/D handoff: the router must never run a (short) prompt on D alone
+            self.proxy, self.url = start_proxy(model, self.prefill_address, self.decode_address, log_dir,
+                                               ["--colocate-max-tokens", "0"])
+        except BaseException:
+            for node in (self.decode, self.prefill):
+                node.stop()
+            raise
 
     def restart_prefill(self) -> None:
         port = int(self.prefill_address.rsplit(":", 1)[1])

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
-from tests.integration.processes import Process, free_port, node_args, start_proxy
+from tests.integration.processes import Process, free_port, launch_proxy, node_args, wait_for_proxy
 from tests.integration.test_pd_e2e import _generate, _greedy, _prefill, _stats, prompts
 
 pytestmark = pytest.mark.integration
@@ -46,11 +46,15 @@ def pairs(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory
         for process in started:  # the four nodes start side by side
             process.wait_for_line("READY", timeout=150)
         out = {}
-        for p, d in PAIRS:
-            proxy, url = start_proxy(model, addresses[("prefill", p)], addresses[("decode", d)], log_dir,
-                                     ["--colocate-max-tokens", "0"])
+        proxies = []
+        for p, d in PAIRS:  # the proxies start side by side too
+            proxy, url = launch_proxy(model, addresses[("prefill", p)], addresses[("decode", d)], log_dir,
+                                      ["--colocate-max-tokens", "0"])
             processes.append(proxy)
+            proxies.append((proxy, url))
             out[(p, d)] = Pair(addresses[("prefill", p)], addresses[("decode", d)], url)
+        for proxy, url in proxies:
+            wait_for_proxy(proxy, url)
         yield out
     finally:
         for process in processes:  # all at once: each drains and stops its worker ranks

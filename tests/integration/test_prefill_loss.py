@@ -19,7 +19,7 @@ import pytest
 
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 from tests.integration.openai_cluster import node_stats, wait_until
-from tests.integration.processes import Process, RedisServer, free_port, node_args, start_proxy
+from tests.integration.processes import Process, RedisServer, free_port, launch_proxy, node_args, wait_for_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -59,12 +59,14 @@ def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFacto
             process.wait_for_line("READY")
         prefill, prefill_address = nodes["prefill"]
         decode_address = nodes["decode"][1]
-        registry_proxy, registry_url = start_proxy(model, None, None, log_dir,
-                                                   ["--registry", server.url, *PROXY_FLAGS])
+        registry_proxy, registry_url = launch_proxy(model, None, None, log_dir,
+                                                    ["--registry", server.url, *PROXY_FLAGS])
         processes.append(registry_proxy)
-        static_proxy, static_url = start_proxy(model, prefill_address, decode_address, log_dir,
-                                               PROXY_FLAGS)
+        static_proxy, static_url = launch_proxy(model, prefill_address, decode_address, log_dir,
+                                                PROXY_FLAGS)
         processes.append(static_proxy)
+        wait_for_proxy(registry_proxy, registry_url)
+        wait_for_proxy(static_proxy, static_url)
         yield PrefillLossCluster(model, server, prefill, decode_address, registry_url, static_url, processes)
     finally:
         for process in reversed(processes):

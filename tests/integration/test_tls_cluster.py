@@ -20,7 +20,7 @@ from proxy.clients import DecodeClient, NodeClient, PrefillClient
 from settings.tls import ClientTLSSettings
 from tests.fixtures.certificates import Certificates, make_certificates
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
-from tests.integration.processes import Process, start_node, start_proxy
+from tests.integration.processes import Process, launch_node, start_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +52,12 @@ def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFacto
               str(certs.ca)]
     processes: list[Process] = []
     try:
-        prefill, prefill_address = start_node("prefill", model, "ipc", log_dir, server)
+        prefill, prefill_address = launch_node("prefill", model, "ipc", log_dir, server)
         processes.append(prefill)
-        decode, decode_address = start_node("decode", model, "ipc", log_dir, [*server, *client_flags(certs)])
+        decode, decode_address = launch_node("decode", model, "ipc", log_dir, [*server, *client_flags(certs)])
         processes.append(decode)
+        for process in processes:
+            process.wait_for_line("READY")
         proxy, url = start_proxy(model, prefill_address, decode_address, log_dir,
                                  ["--colocate-max-tokens", "0", "--block-size", "4", *client_flags(certs)])
         processes.append(proxy)
