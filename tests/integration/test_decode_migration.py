@@ -42,6 +42,9 @@ pytestmark = pytest.mark.integration
 CONTEXT = 1024  # the tiny model's, raised so that streams last seconds
 PROMPTS = [list(range(100 + 30 * i, 120 + 30 * i)) for i in range(2)]  # distinct: each its own output
 MAX_TOKENS = 500  # of a completion
+# the completion alone on its decode node: it must still run when the third stream has its first tokens, also on a
+# box loaded by a second test worker (with 500 it once finished first); the survivor holds all three streams
+LONE_MAX_TOKENS = 960
 MAX_CHAT_TOKENS = 600  # the chat's: it starts first and must still run at the kill
 KILL_AFTER = 3  # tokens each stream has received (the first from P, the others from its decode node) at the kill
 HF_TOKENS = 12  # the first tokens of each output that transformers checks
@@ -173,8 +176,8 @@ def test_streams_on_a_killed_decode_node_continue_on_the_other_one_with_the_gree
     prompts = [chat_prompt, *PROMPTS]
     chat = Stream("/v1/chat/completions", {"model": cluster.model.name, "messages": CHAT, "logprobs": True},
                   MAX_CHAT_TOKENS)
-    completions = [Stream("/v1/completions", {"model": cluster.model.name, "prompt": p, "logprobs": 0})
-                   for p in PROMPTS]
+    completions = [Stream("/v1/completions", {"model": cluster.model.name, "prompt": p, "logprobs": 0}, max_tokens)
+                   for p, max_tokens in zip(PROMPTS, (LONE_MAX_TOKENS, MAX_TOKENS), strict=True)]
     streams = [chat, *completions]
     with httpx.Client(base_url=cluster.url, timeout=60) as client, ThreadPoolExecutor(len(streams)) as pool:
         expected = list(pool.map(lambda stream: undisturbed(client, stream), streams))
