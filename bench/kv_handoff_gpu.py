@@ -227,7 +227,7 @@ def main() -> None:
                 "warmup": args.warmup, "variants": [vars(v) for v in variants], "versions": versions()}
         args.json.write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=2) + "\n")
     print(f"P's pool on {base.torch_device('prefill')}, D's on {base.torch_device('decode')}; x copy: over the "
-          "contiguous copy between the same two pools")
+          "contiguous copy between the same two pools", file=sys.stderr)
     print(markdown(rows, skipped))
 
 

@@ -71,9 +71,9 @@ def test_a_move_that_does_not_land_fails_the_case() -> None:
     from bench.kv_handoff_worker import make_pool
 
     case = Case(16, "scattered", (0, 3, 4), (5, 1, 2))
-    assert _measure_case(_DeviceCopy(spec, make_pool(spec, seed=2)), case, spec)["verified"]
+    assert _measure_case(_DeviceCopy(spec, make_pool(spec, seed=2, side="decode")), case, spec)["verified"]
     with pytest.raises(RuntimeError, match="did not land"):
-        _measure_case(_CopyThatDoesNotHappen(spec, make_pool(spec, seed=2)), case, spec)
+        _measure_case(_CopyThatDoesNotHappen(spec, make_pool(spec, seed=2, side="decode")), case, spec)
 
 
 def test_the_bench_runs_on_cpu_over_nixl_read_and_write(tmp_path: Path) -> None:
