@@ -48,7 +48,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.tp_step import (  # noqa: E402
-    LLAMA_31_8B,
     SHAPES,
     decode_collectives,
     is_moe,
@@ -56,14 +55,7 @@ from bench.tp_step import (  # noqa: E402
     shape_config,
 )
 
-__all__ = ["LLAMA_31_8B", "hbm_read_bandwidth"]
-
 MAX_STEP_TOKENS = 8192
-
-
-def hbm_read_bandwidth() -> float:
-    """Bytes/s of a large bf16 reduction (reads dominate) on the current GPU, best of several."""
-    return read_bandwidth(torch.device("cuda", torch.cuda.current_device()))
 
 
 def synchronize(device: torch.device) -> None:

@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import LLAMA_31_8B, hbm_read_bandwidth  # noqa: E402
+from bench.tp_step import LLAMA_31_8B, read_bandwidth  # noqa: E402
 
 
 def matmul_rate(size: int = 8192) -> float:
@@ -113,8 +112,8 @@ def _launch_report(launches: list[tuple[bool, float]]) -> str:
 
 
 def _trace_host(sampled_step_class) -> tuple[list[float], list[tuple[int, float]]]:
-    """(seconds the host waited for each step's samples, (generation, seconds) of each garbage collection). A host
-    that never waits is the bottleneck: the device idles between steps."""
+    """(seconds the host waited for each step's samples, (generation, seconds) of each garbage collection), from now
+    on; clear both lists between runs. A host that never waits is the bottleneck: the device idles between steps."""
     import gc
 
     waits: list[float] = []
@@ -135,7 +134,7 @@ def _trace_host(sampled_step_class) -> tuple[list[float], list[tuple[int, float]
         else:
             collections.append((info["generation"], time.perf_counter() - started[0]))
 
-    gc.callbacks[:] = [c for c in gc.callbacks if getattr(c, "__name__", "") != "on_gc"] + [on_gc]
+    gc.callbacks.append(on_gc)
     return waits, collections
 
 
@@ -223,7 +222,7 @@ def main() -> None:
 
     from engine import LLM, SamplingParams
 
-    bandwidth = hbm_read_bandwidth()
+    bandwidth = read_bandwidth(torch.device("cuda", 0))
     flops = matmul_rate()
     config_dir = Path(tempfile.mkdtemp())
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
@@ -266,14 +265,17 @@ def main() -> None:
     ]
     traces = []
     schedule = llm.engine.scheduler.schedule
+    if args.trace:
+        from engine.sampled_step import SampledStep
+
+        waits, collections = _trace_host(SampledStep)
     for run in range(1, args.repeat + 1):
         llm.engine.scheduler.schedule = schedule
         trace = _trace_steps(llm.engine.scheduler) if args.trace else None
         launches = _trace_launches(llm.engine.runner) if args.trace else []
         if args.trace:
-            from engine.sampled_step import SampledStep
-
-            waits, collections = _trace_host(SampledStep)
+            waits.clear()
+            collections.clear()
         compiles = _trace_compiles() if args.trace else []
         torch.cuda.synchronize()
         memory_before = torch.cuda.memory_stats()
@@ -291,7 +293,7 @@ def main() -> None:
                       for key in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
             traces.append((run, [*_trace_report(trace, time.perf_counter(), LLAMA_31_8B, weight_bytes, bandwidth,
                                                 compiles), _launch_report(launches),
-                                 _host_report(waits, collections),
+                                 _host_report(list(waits), list(collections)),
                                  "caching allocator during the run (a retry or a device free synchronises): "
                                  + ", ".join(f"{key} {value}" for key, value in memory.items())]))
     for run, trace_lines in traces:

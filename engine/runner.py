@@ -341,14 +341,15 @@ class ModelRunner:
         req = item.request
         # the tokens sampled before this step, pending ones included: the index of this step's token
         output_index = req.num_output_tokens + item.num_pending_before
+        # only penalties read the output ids: without them the row lists its drafts alone and counts the rest
+        # (SamplingRow.num_unlisted_output_tokens)
         penalized = has_penalties(req.params)
-        output_token_ids = req.output_token_ids if penalized else []
+        listed = req.output_token_ids if penalized else []
+        unlisted = item.num_pending_before if penalized else output_index
         rows = []
         for i in range(1 + len(item.draft_token_ids)):
             seed = None if req.params.greedy else noise_seed(req.seed, output_index + i)
-            drafts = list(item.draft_token_ids[:i])
             rows.append(SamplingRow(params=req.params, seed=seed, prompt_token_ids=req.prompt_token_ids,
-                                    output_token_ids=output_token_ids + drafts if penalized else drafts,
-                                    eos_token_ids=req.eos_token_ids,
-                                    num_unlisted_output_tokens=item.num_pending_before if penalized else output_index))
+                                    output_token_ids=listed + list(item.draft_token_ids[:i]),
+                                    eos_token_ids=req.eos_token_ids, num_unlisted_output_tokens=unlisted))
         return rows

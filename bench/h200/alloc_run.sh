@@ -6,9 +6,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
-TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --no-header --tb=short \
-  tests/kernels tests/unit/test_engine_gpu.py tests/unit/test_spec_decode_gpu.py > $OUT/gpu-tests.log 2>&1
-echo "gpu tests rc=$?"; tail -2 $OUT/gpu-tests.log; grep -E "^(FAILED|ERROR)|^E " $OUT/gpu-tests.log | head -12
+bash bench/h200/gpu_tests.sh
 for alloc in "" "expandable_segments:True"; do
   name=offline$(echo $alloc | tr -d ':')
   PYTORCH_CUDA_ALLOC_CONF=$alloc timeout 150 python3 bench/offline_gpu.py --trace --out $OUT/$name.md > $OUT/$name.log 2>&1

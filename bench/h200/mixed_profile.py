@@ -22,9 +22,10 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import LLAMA_31_8B  # noqa: E402
 from offline_gpu import matmul_rate  # noqa: E402
 from step_profile import kernel_totals  # noqa: E402
+
+from bench.tp_step import LLAMA_31_8B  # noqa: E402
 
 
 def main() -> None:

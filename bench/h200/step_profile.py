@@ -18,8 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from decode_step import LLAMA_31_8B  # noqa: E402
+from bench.tp_step import LLAMA_31_8B  # noqa: E402
 
 
 def kernel_totals(prof: profile) -> tuple[dict[str, float], dict[str, int]]:

@@ -7,10 +7,7 @@ set -u
 tree=${1:-.before}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
-TRITON_INTERPRET=0 timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider --no-header --tb=short \
-  tests/kernels tests/unit/test_engine_gpu.py tests/unit/test_spec_decode_gpu.py tests/unit/test_fp8_kv_cache.py \
-  > $OUT/gpu-tests.log 2>&1
-echo "gpu tests rc=$?"; tail -3 $OUT/gpu-tests.log; grep -E "^(FAILED|ERROR)|Error" $OUT/gpu-tests.log | head -12
+bash bench/h200/gpu_tests.sh
 timeout 240 python3 bench/offline_gpu.py --trace --repeat 2 --out $OUT/offline.md > $OUT/offline.log 2>&1
 echo "offline rc=$?"; grep -v Warn $OUT/offline.log | tail -16
 timeout 90 python3 bench/decode_step.py --batches 1,8,64 --context 1024 --out $OUT/after-decode.md > $OUT/after.log 2>&1

@@ -6,10 +6,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
-TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider --no-header --tb=short \
-  tests/kernels tests/unit/test_engine_gpu.py tests/unit/test_spec_decode_gpu.py > $OUT/gpu-tests.log 2>&1
-echo "gpu tests rc=$?"; tail -3 $OUT/gpu-tests.log; grep -E "^(FAILED|ERROR)" $OUT/gpu-tests.log | head -12
-grep -B2 -A25 "test_gpu_async_mixed_launch_never_waits" $OUT/gpu-tests.log | grep -E "^(E |engine|.*\.py:[0-9]+)" | head -30
+bash bench/h200/gpu_tests.sh
 timeout 150 python3 bench/offline_gpu.py --trace --out $OUT/offline.md > $OUT/offline.log 2>&1
 echo "offline rc=$?"; grep -v Warn $OUT/offline.log | tail -10
 timeout 100 python3 bench/h200/step_profile.py --batches 256 --context 1536 --steps 3 > $OUT/profile-256.log 2>&1
