@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.linear import ColumnParallelLinear, dense_linear
 
 HALF_TYPES = (torch.bfloat16, torch.float16)
 
@@ -36,7 +37,7 @@ class WidenedLinear(nn.Module):
                      else nn.Parameter(linear.bias.detach().float(), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight, self.bias).to(self.out_dtype)
+        return dense_linear(x.float(), self.weight, self.bias).to(self.out_dtype)
 
 
 def widen_half_linears(model: nn.Module) -> int:
@@ -48,9 +49,10 @@ def widen_half_linears(model: nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            # only layers whose forward is nn.Linear's own: a row-parallel layer's forward also sums over the
+            # only layers whose forward is a plain product: a row-parallel layer's forward also sums over the
             # tensor-parallel ranks, which a WidenedLinear would drop
-            if (isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward
+            plain = type(child).forward in (nn.Linear.forward, ColumnParallelLinear.forward)
+            if (isinstance(child, nn.Linear) and plain
                     and child.weight.dtype in HALF_TYPES and child.weight.device.type == "cpu"):
                 setattr(parent, name, WidenedLinear(child))
                 replaced += 1

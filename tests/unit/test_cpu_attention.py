@@ -1,4 +1,5 @@
-"""The torch (CPU) attention backend against the plain einsum oracle, and the widened half-precision linears."""
+"""The torch (CPU) attention backend against the plain einsum oracle, the widened half-precision linears and the
+CPU's few-rows product."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from engine.kernels import reference
 from engine.layers.attention import AttentionMetadata, TorchAttention
 from engine.layers.cpu_linear import WidenedLinear, has_half_dot_product, widen_half_linears
+from engine.layers.linear import CPU_FEW_ROWS, ColumnParallelLinear, RowParallelLinear, dense_linear
 from tests.kernels.paged import TOLERANCE, int32, make_block_tables, make_cache, relative_error
 
 
@@ -74,3 +76,26 @@ def test_widen_half_linears_replaces_only_half_precision_linears() -> None:
     assert isinstance(model[2], nn.Linear) and model[2].weight.dtype == torch.float32
     assert model[1][0].weight.dtype == torch.float32
     assert model[1][0](torch.ones(1, 8, dtype=torch.float16)).dtype == torch.float16
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, CPU_FEW_ROWS, CPU_FEW_ROWS + 1, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_is_the_linear_product_at_every_row_count(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    weight, x = torch.randn(300, 96), torch.randn(rows, 96)
+    b = torch.randn(300) if bias else None
+    out = dense_linear(x, weight, b)
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert out.shape == (rows, 300) and out.dtype == torch.float32 and out.is_contiguous()
+    # float32 summation order only: a few ulps of the largest partial sum (|w| |x| summed over 96 terms)
+    assert ((out.double() - exact).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-6).all()
+    if not 1 < rows <= CPU_FEW_ROWS:  # outside the few-rows case it is F.linear itself, bit for bit
+        assert torch.equal(out, F.linear(x, weight, b))
+
+
+@pytest.mark.skipif(has_half_dot_product(), reason="this CPU multiplies bf16 natively: nothing is widened")
+def test_column_parallel_layers_are_widened_and_row_parallel_ones_kept() -> None:
+    model = nn.Sequential(ColumnParallelLinear(8, 8, bias=False).to(torch.bfloat16),
+                          RowParallelLinear(8, 8, bias=False).to(torch.bfloat16))
+    assert widen_half_linears(model) == 1
+    assert isinstance(model[0], WidenedLinear) and isinstance(model[1], RowParallelLinear)
