@@ -8,14 +8,15 @@ For each row, in order:
  2. min_tokens: eos and stop_token_ids are set to -inf while the output is shorter than min_tokens;
  3. penalties: repetition (tokens of prompt + output), then frequency and presence (output tokens only);
  4. greedy rows take the argmax;
- 5. random rows: temperature, min_p, top_k, top_p, then an exponential race with the row's own generator.
+ 5. random rows: temperature, min_p, top_k, top_p, then the inverse transform of one uniform number that the
+    row's seed gives.
 
 min_p runs before top_k/top_p, as in vLLM v1 (it is one of its argmax-invariant logits processors, applied
 right after temperature). The order matters only with top_p: min_p compares each probability to the
 largest one, so it commutes with top_k but not with top_p's renormalised cumulative sum.
 
-Batch invariance: each random row draws exactly `vocab` exponentials seeded by `noise_seed(request seed,
-output index)` and every tensor operation works within a row, so a seeded request samples the same tokens
+Batch invariance: each random row's uniform number is `noise_seed(request seed, output index)` and every
+tensor operation works within a row, so a seeded request samples the same tokens
 whatever else shares the batch and in whichever order. The noise depends on nothing but the seed and the
 token's index either, so a request that a prefill node starts (token 0) and a decode node continues (tokens
 1, 2, ...) samples what it would have sampled on one node.
@@ -118,12 +119,14 @@ def noise_seed(request_seed: int, output_index: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
-class Sampler:
-    """Samples one token per row of logits. The request state travels in the rows; the sampler only keeps
-    one generator per device, re-seeded for every random row."""
+def uniform_of(seed: int) -> float:
+    """A number in [0, 1) that is a function of the seed alone: the top 53 bits of splitmix64's mix of it."""
+    return (noise_seed(seed, 0) >> 10) * 2.0 ** -53
 
-    def __init__(self) -> None:
-        self._generators: dict[torch.device, torch.Generator] = {}
+
+class Sampler:
+    """Samples one token per row of logits. The request state travels in the rows (a random row's randomness
+    too: its seed), so the sampler keeps none."""
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """Samples and reads the tokens back (a device-to-host sync)."""
@@ -154,12 +157,9 @@ class Sampler:
                 greedy_index = to_device(greedy_rows, torch.long, logits.device)
                 sampled[greedy_index] = processed[greedy_index].argmax(dim=-1)
             # Advanced indexing copies, so the in-place steps of sample_random leave `processed` alone.
-            generator = self._generators.get(logits.device)
-            if generator is None:
-                generator = self._generators[logits.device] = torch.Generator(device=logits.device)
             random_index = to_device(random_rows, torch.long, logits.device)
             sampled[random_index] = sample_random(
-                processed[random_index].to(torch.float32), [rows[i] for i in random_rows], generator
+                processed[random_index].to(torch.float32), [rows[i] for i in random_rows]
             )
         return SamplerOutput(sampled, logprob_tensors(logits, rows, sampled))
 
@@ -271,9 +271,9 @@ def _penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     return logits - frequency * counts - presence * (counts > 0).float()
 
 
-def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], generator: torch.Generator) -> torch.Tensor:
-    """Samples the random (temperature > 0) rows. logits: [num_rows, vocab] float32, overwritten; `generator`
-    on the logits' device, re-seeded with each row's seed. Returns the token ids: [num_rows] long."""
+def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Samples the random (temperature > 0) rows. logits: [num_rows, vocab] float32, overwritten. Returns the
+    token ids: [num_rows] long."""
     device = logits.device
     temperature = to_device([row.params.temperature for row in rows], torch.float32, device)
     logits.div_(temperature.unsqueeze(1))
@@ -286,15 +286,18 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], generator: 
     if any(0 < k < vocab_size for k in top_k) or any(p < 1 for p in top_p):
         apply_top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i. Each row's noise
-    # comes from its own seed, so its samples do not depend on the rest of the batch.
-    noise = torch.empty_like(probs)
-    for i, row in enumerate(rows):
-        assert row.seed is not None, "a random (temperature > 0) row needs a seed"
-        noise[i].exponential_(generator=generator.manual_seed(row.seed))
-    # exponential_ can return exactly 0; 0/0 would be NaN, which argmax takes as the maximum.
-    noise.clamp_min_(torch.finfo(torch.float32).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+    # Inverse transform: the row's seed, mixed once more (a caller's seed need not be a noise_seed), gives a
+    # uniform u in [0, 1), and the sampled token is the first whose cumulative probability exceeds u x the
+    # total. One number per row, made on the host: the exponential race this replaces drew `vocab` numbers per
+    # row from a re-seeded generator (1.2 ms a row on the 2-core CPU, 13 ms of a batch-8 SmolLM2 step; one
+    # launch per row on a GPU). The sum runs in float64, so that a token's share of [0, total) is its
+    # probability to float64 rounding.
+    uniform = to_device([uniform_of(row.seed) for row in rows], torch.float64, device)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    # below the total, so that the token found has cdf[i] > target >= cdf[i - 1]: a positive probability
+    target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, noise_seed, process_logits
+from engine.sampler import Sampler, SamplingRow, noise_seed, process_logits, uniform_of
 from engine.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -237,3 +237,11 @@ def test_greedy_and_random_rows_in_one_batch() -> None:
 
 def test_sampling_an_empty_batch_returns_nothing() -> None:
     assert Sampler()(torch.empty(0, 10), []) == []
+
+
+def test_a_uniform_number_next_to_one_still_samples_a_token_of_positive_probability() -> None:
+    # the inverse transform's edge: u x total can round up to the total, past the last positive token
+    seed = next(s for s in range(10**6) if uniform_of(s) > 1 - 1e-5)
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), float("-inf")]])
+    assert sample_ids(logits, [make_row(SamplingParams(temperature=1.0), seed=seed)]) == [2]
+    assert sample_ids(logits, [make_row(SamplingParams(temperature=1.0), seed=0)])[0] in {0, 1, 2}
