@@ -75,7 +75,8 @@ class PrefillLoop:
         self._leases: dict[str, Lease] = {}
         self._leases_lock = threading.Lock()
         self.num_leases_expired = 0
-        engine.add_ticker(self._expire_leases)
+        # lease deadlines are seconds long: an idle engine's rest between ticks is precise enough
+        engine.add_ticker(self._expire_leases, in_flight=lambda: False)
 
     @property
     def num_pinned(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -66,3 +67,29 @@ def test_a_dead_engine_thread_fails_streams_and_calls(tiny_model: TinyModelFacto
             asyncio.run(engine.call(lambda e: None))
     finally:
         engine.stop()
+
+
+def test_an_idle_engine_ticks_often_only_while_a_ticker_has_work_in_flight(tiny_model: TinyModelFactory) -> None:
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model("llama")), dtype="float32",
+                                                skip_tokenizer_init=True)), idle_wait_s=0.001, rest_wait_s=5.0)
+    ticks: list[float] = []
+    in_flight = [True]
+    engine.add_ticker(lambda _: ticks.append(time.monotonic()), in_flight=lambda: in_flight[0])
+    engine.start()
+    try:
+        time.sleep(0.5)
+        busy_ticks = len(ticks)
+        in_flight[0] = False
+        time.sleep(0.1)  # the tick under way when it changed
+        resting_from = len(ticks)
+        time.sleep(0.5)
+        resting_ticks = len(ticks) - resting_from
+        # a command still wakes a resting engine at once, not after rest_wait_s
+        started = time.monotonic()
+        assert asyncio.run(engine.call(lambda e: e.has_unfinished())) is False
+        woke_after_s = time.monotonic() - started
+    finally:
+        engine.stop()
+    assert busy_ticks >= 20, busy_ticks
+    assert resting_ticks <= 1, resting_ticks
+    assert woke_after_s < 2.5, woke_after_s
