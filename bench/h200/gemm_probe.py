@@ -84,15 +84,15 @@ def main() -> None:
             flop = 2 * m * n * k
             results = {}
             torch.backends.cuda.preferred_blas_library("cublas")
-            results["cublas"] = time_ms(lambda w: torch.nn.functional.linear(x, w), weights, args.reps)
+            results["cublas"] = time_ms(lambda w, x=x: torch.nn.functional.linear(x, w), weights, args.reps)
             torch.backends.cuda.preferred_blas_library("cublaslt")
-            results["cublaslt"] = time_ms(lambda w: torch.nn.functional.linear(x, w), weights, args.reps)
+            results["cublaslt"] = time_ms(lambda w, x=x: torch.nn.functional.linear(x, w), weights, args.reps)
             torch.backends.cuda.preferred_blas_library("cublas")
             reference = torch.nn.functional.linear(x, weights[0]).float()
             for config in CONFIGS:
                 try:
                     err = (triton_linear(x, weights[0], config).float() - reference).abs().max().item()
-                    t = time_ms(lambda w, c=config: triton_linear(x, w, c), weights, args.reps)
+                    t = time_ms(lambda w, c=config, x=x: triton_linear(x, w, c), weights, args.reps)
                 except Exception as e:  # noqa: BLE001 - a config that does not fit is reported, not fatal
                     print(f"  {config}: {type(e).__name__}")
                     continue
