@@ -292,7 +292,9 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     # row from a re-seeded generator (1.2 ms a row on the 2-core CPU, 13 ms of a batch-8 SmolLM2 step; one
     # launch per row on a GPU). The sum runs in float64, so that a token's share of [0, total) is its
     # probability to float64 rounding.
-    uniform = to_device([uniform_of(row.seed) for row in rows], torch.float64, device)
+    seeds = [row.seed for row in rows]
+    assert all(seed is not None for seed in seeds), "a random (temperature > 0) row needs a seed"
+    uniform = to_device([uniform_of(seed) for seed in seeds if seed is not None], torch.float64, device)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
     # below the total, so that the token found has cdf[i] > target >= cdf[i - 1]: a positive probability
