@@ -299,7 +299,9 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     total = cdf[:, -1:]
     # below the total, so that the token found has cdf[i] > target >= cdf[i - 1]: a positive probability
     target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # a row whose probabilities are not numbers (logits of inf, say) finds no such token: it gets the last id,
+    # never one past the vocabulary
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(vocab_size - 1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:

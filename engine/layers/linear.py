@@ -61,11 +61,11 @@ def vocab_shard(vocab_size: int, parallel: ParallelContext) -> tuple[int, int]:
     return parallel.tp_rank * rows, rows
 
 
-# MKL's float32 GEMM runs x @ W^T for a few rows (a decode step's tokens) far below the memory bandwidth, while
-# the same product as (W @ x^T)^T streams W at it: SmolLM2's lm_head [8, 576] x [576, 49152] took 25 ms as x @ W^T
-# (4.5 GB/s, against 24 GB/s of DRAM read on the 2-core bench box) and 11 ms as W @ x^T; its other layers
-# 0.6-0.9x, a whole decode step at batch 8 0.74x (bench/results/engine-speed-*.md). Past 64 rows the two
-# orders were even on the down projection, so the ordinary product takes over there.
+# MKL's float32 GEMM runs x @ W^T for a few rows (a decode step's tokens) far below the memory bandwidth, and
+# the same product as (W @ x^T)^T much closer to it: SmolLM2's lm_head [8, 576] x [576, 49152] took 25 ms as
+# x @ W^T (4.5 GB/s, against 24 GB/s of DRAM read on the 2-core bench box) and 11 ms as W @ x^T; its other
+# layers 0.6-0.9x, a whole decode step at batch 8 0.79x (bench/results/engine-speed-2026-12-03.md, "Night").
+# Past 64 rows the two orders were even on the down projection, so the ordinary product takes over there.
 CPU_FEW_ROWS = 64
 
 

@@ -245,3 +245,11 @@ def test_a_uniform_number_next_to_one_still_samples_a_token_of_positive_probabil
     logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), float("-inf")]])
     assert sample_ids(logits, [make_row(SamplingParams(temperature=1.0), seed=seed)]) == [2]
     assert sample_ids(logits, [make_row(SamplingParams(temperature=1.0), seed=0)])[0] in {0, 1, 2}
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_logits_that_are_not_numbers_still_sample_a_token_of_the_vocabulary(bad: float) -> None:
+    # found by the API fuzzer: such a row used to index one past the vocabulary and kill the engine
+    logits = torch.tensor([[bad, 0.0, 1.0], [0.0, 1.0, 2.0]])
+    rows = [make_row(SamplingParams(temperature=1.0), seed=noise_seed(5, i)) for i in range(2)]
+    assert all(0 <= token < 3 for token in sample_ids(logits, rows))
