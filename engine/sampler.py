@@ -15,11 +15,11 @@ min_p runs before top_k/top_p, as in vLLM v1 (it is one of its argmax-invariant 
 right after temperature). The order matters only with top_p: min_p compares each probability to the
 largest one, so it commutes with top_k but not with top_p's renormalised cumulative sum.
 
-Batch invariance: each random row's uniform number is `noise_seed(request seed, output index)` and every
-tensor operation works within a row, so a seeded request samples the same tokens
-whatever else shares the batch and in whichever order. The noise depends on nothing but the seed and the
-token's index either, so a request that a prefill node starts (token 0) and a decode node continues (tokens
-1, 2, ...) samples what it would have sampled on one node.
+Batch invariance: each random row's uniform number is a function of its seed alone (`uniform_of` of
+`noise_seed(request seed, output index)`) and every tensor operation works within a row, so a seeded request
+samples the same tokens whatever else shares the batch and in whichever order. The number depends on nothing but
+the seed and the token's index either, so a request that a prefill node starts (token 0) and a decode node
+continues (tokens 1, 2, ...) samples what it would have sampled on one node.
 """
 
 from __future__ import annotations
