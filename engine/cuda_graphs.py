@@ -43,7 +43,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(max_batch, model.config.hidden_size, dtype=dtype, device=device)
-        self.logits = torch.zeros(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
+        # in the model's dtype, as compute_logits gives them on one rank (graphs run on one rank only)
+        self.logits = torch.zeros(max_batch, model.config.vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         # largest first, so the smaller graphs fit in the memory pool the largest one made

@@ -12,8 +12,8 @@ The vocabulary is split in `ceil(vocab / tp)` rows per rank (the last rank's sli
 embedding looks up the rank's ids and sums over the ranks (one all-reduce); the lm_head (a column-parallel layer)
 computes the rank's logits, which `gather_logits` gathers (one all-gather).
 
-On one rank every layer here computes what its plain torch counterpart does; on a GPU bit for bit, on a CPU in
-float32 for a few rows by another product order (`dense_linear`).
+On one rank every layer here computes what its plain torch counterpart does, bit for bit. A CPU model's linear layers
+are replaced after loading by packed ones (engine/layers/cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -61,28 +61,11 @@ def vocab_shard(vocab_size: int, parallel: ParallelContext) -> tuple[int, int]:
     return parallel.tp_rank * rows, rows
 
 
-# MKL's float32 GEMM runs x @ W^T for a few rows (a decode step's tokens) far below the memory bandwidth, and
-# the same product as (W @ x^T)^T much closer to it: SmolLM2's lm_head [8, 576] x [576, 49152] took 25 ms as
-# x @ W^T (4.5 GB/s, against 24 GB/s of DRAM read on the 2-core bench box) and 11 ms as W @ x^T; its other
-# layers 0.6-0.9x, a whole decode step at batch 8 0.79x (bench/results/engine-speed-2026-12-03.md, "Night").
-# Past 64 rows the two orders were even on the down projection, so the ordinary product takes over there.
-CPU_FEW_ROWS = 64
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias); for 2..CPU_FEW_ROWS rows of float32 on a CPU, computed as (weight @ x^T)^T
-    (the same sums, in MKL's other kernel order: equal to F.linear within float32 rounding)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and 1 < x.shape[0] <= CPU_FEW_ROWS:
-        out = torch.mm(weight, x.t()).t().contiguous()
-        return out if bias is None else out.add_(bias)
-    return F.linear(x, weight, bias)
-
-
 class ColumnParallelLinear(nn.Linear):
     """A slice of the output features: `out_features` is this rank's share. No communication."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -95,7 +78,7 @@ class RowParallelLinear(nn.Linear):
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(dense_linear(x, self.weight, self.bias))
+        return self.parallel.all_reduce(F.linear(x, self.weight, self.bias))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -120,5 +103,11 @@ class VocabParallelEmbedding(nn.Module):
 
 def gather_logits(logits: torch.Tensor, vocab_size: int, parallel: ParallelContext) -> torch.Tensor:
     """The lm_head (a ColumnParallelLinear over the rank's vocabulary rows) gives [B, rows]; every rank gets the
-    whole [B, vocab] logits, in float32."""
+    whole [B, vocab] logits: in the lm_head's dtype on one rank, in float32 when the ranks gather them.
+
+    The sampler upcasts wherever it computes (engine/sampler.py) and a 16-bit float's upcast is exact, so it
+    samples the same tokens from either; a float32 copy of a batch-256 step's 128k-word logits cost the H200
+    ~0.15 ms a decode step (bench/results/engine-speed-2026-12-04.md)."""
+    if not parallel.is_parallel:
+        return logits[:, :vocab_size]
     return parallel.all_gather(logits.float(), dim=-1)[:, :vocab_size]

@@ -57,10 +57,17 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
         cache = KVCacheLayer(*kv_cache)  # a plain (k, v) pair reads as a cache without scales
+        # with the GPU kernels, RoPE and the K/V store are one launch (an FP8 cache quantizes in the backend's store)
+        kv_stored = self.rotary.fused and cache.k_scale is None
+        if kv_stored:
+            from engine.kernels.kv_store import rotary_and_store_kv  # needs triton: imported where it runs
+
+            q, k = rotary_and_store_kv(positions, q, k, v, self.rotary.cos_sin, cache.k, cache.v, meta.slot_mapping)
+        else:
+            q, k = self.rotary(positions, q, k)
         out = backend.forward(q, k, v, cache.k, cache.v, meta, self.scale, k_scale=cache.k_scale,
-                              v_scale=cache.v_scale)
+                              v_scale=cache.v_scale, kv_stored=kv_stored)
         return linear(self.o_proj, out.reshape(num_tokens, self.q_size), self.rotary.fused)
 
 
@@ -143,5 +150,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] -> [B, vocab] float32 logits, on every rank."""
+        """[B, hidden] -> [B, vocab] logits on every rank (in the model's dtype on one rank: gather_logits)."""
         return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.parallel)
