@@ -44,10 +44,12 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
         # With an FP8 cache (k_scale, v_scale) the paged kernels read e4m3 K/V; a fresh prompt attended densely
         # uses the step's own K/V, before quantization, as it never reads the cache
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        if not kv_stored:
+            self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_decodes = meta.num_decodes
         dense_from = self._dense_from(q, meta)
         starts = meta.query_start_loc_host

@@ -1,4 +1,5 @@
-"""store_kv: scatter the step's new K/V rows into their paged-cache slots (one program per token).
+"""store_kv: scatter the step's new K/V rows into their paged-cache slots (one program per token);
+rotary_and_store_kv: RoPE of the step's q and k and that store, in one launch.
 
 For an FP8 cache (engine/layers/kv_fp8.py) the program quantizes as it stores: per KV head, the row's largest
 magnitude picks a power-of-two scale, whose exponent byte goes to the scale view beside the e4m3 values.
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import check_cache, fp8_scale, fp8_scale_exponent, fp8_scales, round_to_e4m3
+from engine.kernels.layers import rotate_heads, rotated_halves
 
 
 @triton.jit
@@ -85,3 +87,73 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1], FP8=fp8,
         num_warps=4,
     )
+
+
+@triton.jit
+def _rotary_store_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr,
+    slot_mapping_ptr,
+    stride_q_token, stride_q_head, stride_k_token, stride_k_head, stride_v_token, stride_v_head,
+    stride_qo_token, stride_qo_head, stride_ko_token, stride_ko_head, stride_cos_sin,
+    stride_kc_block, stride_kc_slot, stride_kc_head, stride_vc_block, stride_vc_slot, stride_vc_head,
+    num_q_heads, num_kv_heads,
+    Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=cols < HALF, other=0.0)
+    rotate_heads(q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
+                  cos, sin, num_q_heads, Q_HEADS_PAD, HALF, HALF_PAD)
+    k1, k2 = rotated_halves(k_ptr, token, stride_k_token, stride_k_head, cos, sin, num_kv_heads, K_HEADS_PAD, HALF,
+                            HALF_PAD)
+    heads = tl.arange(0, K_HEADS_PAD)[:, None]
+    mask = (heads < num_kv_heads) & (cols < HALF)
+    k_out = k_out_ptr + token * stride_ko_token + heads * stride_ko_head + cols
+    tl.store(k_out, k1, mask=mask)
+    tl.store(k_out + HALF, k2, mask=mask)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    # a negative slot is padding: nothing to store (broadcast first: the interpreter rejects tensor & scalar)
+    store_mask = mask & (tl.zeros([K_HEADS_PAD, 1], tl.int64) + slot >= 0)
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    k_dst = k_cache_ptr + page * stride_kc_block + offset * stride_kc_slot + heads * stride_kc_head + cols
+    tl.store(k_dst, k1, mask=store_mask)
+    tl.store(k_dst + HALF, k2, mask=store_mask)
+    v_src = v_ptr + token * stride_v_token + heads * stride_v_head + cols
+    v_dst = v_cache_ptr + page * stride_vc_block + offset * stride_vc_slot + heads * stride_vc_head + cols
+    tl.store(v_dst, tl.load(v_src, mask=store_mask, other=0.0), mask=store_mask)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=store_mask, other=0.0), mask=store_mask)
+
+
+def rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox RoPE of q and k (engine/kernels/layers.py: rotary_embedding) and store_kv of the rotated k and of v, in
+    one launch: the same values as the two kernels, one program per token instead of two launches per layer.
+    A 16-bit or float32 cache only (an FP8 cache quantizes in store_kv). Returns the rotated (q, k)."""
+    check_cache(k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if (k.shape != v.shape or k.shape[::2] != (num_tokens, head_dim) or k_cache.shape[2:] != (num_kv_heads, head_dim)
+            or slot_mapping.shape != (num_tokens,) or cos_sin_cache.shape[1] != head_dim or head_dim % 2):
+        raise ValueError(f"rotary_and_store_kv shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, cache {tuple(k_cache.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
+    assert k_cache.dtype == k.dtype, "an FP8 cache stores through store_kv"
+    assert all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache, cos_sin_cache)), "last dims must be contiguous"
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_store_kernel[(num_tokens,)](
+            positions, q, k, v, cos_sin_cache, q_out, k_out, k_cache, v_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin_cache.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), num_q_heads, num_kv_heads,
+            Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), PAGE_SIZE=k_cache.shape[1], num_warps=4,
+        )
+    return q_out, k_out

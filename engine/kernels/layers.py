@@ -67,8 +67,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, token, stride_token, stride_head, stride_out_token, stride_out_head,
-                  cos, sin, num_heads, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+def rotated_halves(x_ptr, token, stride_token, stride_head, cos, sin, num_heads, HEADS_PAD: tl.constexpr,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One token's heads [HEADS_PAD, HALF_PAD] x2 rotated (neox halves), in x's dtype; also engine/kernels/kv_store.py's
+    fused RoPE + store."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     cols = tl.arange(0, HALF_PAD)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
@@ -83,9 +85,20 @@ def _rotate_heads(x_ptr, out_ptr, token, stride_token, stride_head, stride_out_t
     b1 = (x2.to(tl.float32) * s).to(dtype).to(tl.float32)
     a2 = (x2.to(tl.float32) * c).to(dtype).to(tl.float32)
     b2 = (x1.to(tl.float32) * s).to(dtype).to(tl.float32)
+    return (a1 - b1).to(dtype), (a2 + b2).to(dtype)
+
+
+@triton.jit
+def rotate_heads(x_ptr, out_ptr, token, stride_token, stride_head, stride_out_token, stride_out_head,
+                  cos, sin, num_heads, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    first, second = rotated_halves(x_ptr, token, stride_token, stride_head, cos, sin, num_heads, HEADS_PAD, HALF,
+                                   HALF_PAD)
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    mask = (heads < num_heads) & (cols < HALF)
     dst = out_ptr + token * stride_out_token + heads * stride_out_head + cols
-    tl.store(dst, (a1 - b1).to(dtype), mask=mask)
-    tl.store(dst + HALF, (a2 + b2).to(dtype), mask=mask)
+    tl.store(dst, first, mask=mask)
+    tl.store(dst + HALF, second, mask=mask)
 
 
 @triton.jit
@@ -101,9 +114,9 @@ def _rotary_kernel(
     cols = tl.arange(0, HALF_PAD)[None, :]
     cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=cols < HALF, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=cols < HALF, other=0.0)
-    _rotate_heads(q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
+    rotate_heads(q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
                   cos, sin, num_q_heads, Q_HEADS_PAD, HALF, HALF_PAD)
-    _rotate_heads(k_ptr, k_out_ptr, token, stride_k_token, stride_k_head, stride_ko_token, stride_ko_head,
+    rotate_heads(k_ptr, k_out_ptr, token, stride_k_token, stride_k_head, stride_ko_token, stride_ko_head,
                   cos, sin, num_k_heads, K_HEADS_PAD, HALF, HALF_PAD)
 
 

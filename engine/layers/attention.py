@@ -62,11 +62,13 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, Hq, D].
 
         With k_scale/v_scale the cache is FP8: the new rows are quantized as they are stored, and attention reads
-        the dequantized context (the math runs in q's dtype or float32, never in FP8)."""
+        the dequantized context (the math runs in q's dtype or float32, never in FP8). kv_stored: the caller has
+        already stored k and v at meta.slot_mapping (a fused RoPE + store, engine/model/llama.py)."""
 
     def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                 max_prompt_tokens: int) -> None:
@@ -88,8 +90,10 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
