@@ -3,7 +3,8 @@ from minute to minute, so only side-by-side ratios mean anything):
 
     python bench/cpu_decode_ab.py --model DIR_OR_GGUF [--dtype float32] [--batch 8] [--rounds 6] --ab linear|waker
 
-  linear  the few-rows product of engine/layers/linear.py off (CPU_FEW_ROWS = 0) vs on;
+  linear  the model's linear layers as loaded (torch's F.linear) vs packed for oneDNN (engine/layers/cpu_linear.py),
+          two engines stepping in turn;
   waker   the step alone vs next to a process that wakes every 2 ms and spins 50 us (what an idle node's engine
           thread used to do): how much a neighbour's wake-ups cost a step whose OpenMP threads fill the cores.
 """
@@ -40,20 +41,22 @@ def main() -> None:
     parser.add_argument("--ab", choices=["linear", "waker"], required=True)
     args = parser.parse_args()
 
-    import engine.layers.linear as linear
+    import engine.model.loader as loader
     from engine import LLM, SamplingParams
+    from engine.llm_engine import LLMEngine
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.batch, max_num_batched_tokens=4096,
-              skip_tokenizer_init=True)
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=2 * args.rounds * args.steps + 8, ignore_eos=True)
-    ids = [f"r{i}" for i in range(args.batch)]
-    for i, request_id in enumerate(ids):
-        engine.add_request(request_id, [(7 * i + j) % 1000 + 10 for j in range(args.context)], params)
-    while any(engine.requests[r].num_output_tokens == 0 for r in ids):
-        engine.step()
+    def decoding_engine() -> LLMEngine:
+        engine = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.batch, max_num_batched_tokens=4096,
+                     skip_tokenizer_init=True).engine
+        params = SamplingParams(temperature=0.0, max_tokens=2 * args.rounds * args.steps + 8, ignore_eos=True)
+        ids = [f"r{i}" for i in range(args.batch)]
+        for i, request_id in enumerate(ids):
+            engine.add_request(request_id, [(7 * i + j) % 1000 + 10 for j in range(args.context)], params)
+        while any(engine.requests[r].num_output_tokens == 0 for r in ids):
+            engine.step()
+        return engine
 
-    def timed_steps() -> list[float]:
+    def timed_steps(engine: LLMEngine) -> list[float]:
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
@@ -61,19 +64,22 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         return times
 
+    engine = decoding_engine()
+    if args.ab == "linear":
+        pack = loader.pack_cpu_linears
+        loader.pack_cpu_linears = lambda model: 0  # type: ignore[assignment]  # the unpacked side
+        unpacked = decoding_engine()
+        loader.pack_cpu_linears = pack
     sides: dict[str, list[float]] = {}
-    few_rows = linear.CPU_FEW_ROWS
     for _ in range(args.rounds):
         if args.ab == "linear":
-            linear.CPU_FEW_ROWS = 0
-            sides.setdefault("x @ W^T (few-rows product off)", []).extend(timed_steps())
-            linear.CPU_FEW_ROWS = few_rows
-            sides.setdefault(f"(W @ x^T)^T up to {few_rows} rows", []).extend(timed_steps())
+            sides.setdefault("F.linear (unpacked)", []).extend(timed_steps(unpacked))
+            sides.setdefault("packed for oneDNN", []).extend(timed_steps(engine))
         else:
-            sides.setdefault("alone", []).extend(timed_steps())
+            sides.setdefault("alone", []).extend(timed_steps(engine))
             waker = subprocess.Popen([sys.executable, "-c", WAKER])
             time.sleep(0.2)
-            sides.setdefault("next to a 500 Hz waker", []).extend(timed_steps())
+            sides.setdefault("next to a 500 Hz waker", []).extend(timed_steps(engine))
             waker.kill()
             waker.wait()
     print(f"decode step, {args.dtype}, batch {args.batch}, context {args.context}, {args.rounds} rounds alternating:")

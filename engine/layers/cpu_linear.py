@@ -1,10 +1,16 @@
-"""Half-precision linear layers on a CPU without bf16/fp16 dot-product instructions (AVX2 hosts).
+"""CPU linear layers through oneDNN with weights packed once at load.
 
-There torch's bf16 GEMM converts inside its inner loop and runs 4-6x slower than float32's (measured on the
-bench box, [64, 576] x [576, 960]: 12 ms float32, 68 ms bfloat16, one thread). Widening the weights to float32
-once at load, and each input at the call, gives the same arithmetic a bf16 GEMM does (bf16 values are exact in
-float32, products are accumulated in float32, the output is rounded to the model's dtype), in float32's time.
-The weights take twice the memory: a CPU model is small next to the host's.
+torch's default CPU product (MKL for float32, a converting loop for bf16 on hosts without bf16 instructions) runs a
+decode step's few rows far below the memory bandwidth. oneDNN's inner-product primitive on a weight reordered
+once into its blocked layout reads the weights at about the bandwidth at every row count, in float32 and in bf16
+(bf16 values widened in registers, products summed in float32, the output rounded to bf16: a bf16 GEMM's
+arithmetic). On the 2-core AVX2 bench box, SmolLM2-135M's linears of one decode step at 8 rows took 45.5 ms
+(float32, MKL as (W @ x^T)^T) and 24.5 ms packed; in bf16 13.9 ms packed
+(bench/results/engine-speed-2026-12-04.md, "CPU").
+
+float16 has no oneDNN path without AVX512-FP16 or AVX-NE-CONVERT: such a layer is packed as float32 (the weights
+widened once: fp16 values are exact in float32) and its input widened at the call, which is the arithmetic of a
+float16 GEMM that accumulates in float32.
 """
 
 from __future__ import annotations
@@ -14,46 +20,72 @@ import functools
 import torch
 from torch import nn
 
-from engine.layers.linear import ColumnParallelLinear, dense_linear
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.parallel.context import SINGLE_RANK, ParallelContext
 
 HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def has_half_dot_product() -> bool:
-    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where torch's bf16 GEMM is fast."""
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where torch's own bf16 kernels are fast."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-class WidenedLinear(nn.Module):
-    """A linear layer whose half-precision weights are kept in float32; input and output keep the model's
-    dtype."""
+# the row count oneDNN picks its weight layout for: a decode step's; the packed weight serves every row count
+# (a 2048-token prefill ran 0.73-0.86x F.linear's time with this layout)
+_PACKED_FOR_ROWS = 8
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+def _packs(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype oneDNN computes a CPU layer of `dtype` in, or None when it does not take it."""
+    if dtype in (torch.float32, torch.bfloat16):
+        return dtype
+    if dtype == torch.float16:
+        return torch.float32
+    return None
+
+
+class PackedLinear(nn.Module):
+    """A linear layer (plain, column- or row-parallel) whose weight is held in oneDNN's layout; input and
+    output keep the model's dtype. A row-parallel layer's partial products are still summed over the ranks."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
         super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = linear.weight.dtype
-        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        self.compute_dtype = compute_dtype
+        self.parallel: ParallelContext = (linear.parallel if isinstance(linear, RowParallelLinear)
+                                          else SINGLE_RANK)
+        # an opaque oneDNN tensor: not a parameter (state_dict and .to() cannot hold it), and not needed there:
+        # packing happens after the checkpoint is loaded, on the CPU the layer stays on
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(compute_dtype),
+                                                              _PACKED_FOR_ROWS)
         self.bias = (None if linear.bias is None
-                     else nn.Parameter(linear.bias.detach().float(), requires_grad=False))
+                     else nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear(x.float(), self.weight, self.bias).to(self.out_dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.bias, "none", [], "")
+        return self.parallel.all_reduce(out.to(self.out_dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.out_dtype}"
 
 
-def widen_half_linears(model: nn.Module) -> int:
-    """Replaces every half-precision nn.Linear of a CPU model by a WidenedLinear, unless the CPU has native
-    half dot products. Returns how many were replaced. Tied weights are widened as copies: the embedding
-    keeps its own half-precision table."""
-    if has_half_dot_product():
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Replaces every CPU linear layer of the model (nn.Linear, column- and row-parallel) by a PackedLinear, where
+    this torch has oneDNN. Returns how many were replaced. A tied lm_head is packed as a copy: the embedding
+    keeps its own table."""
+    if not torch.backends.mkldnn.is_available():
         return 0
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            # only layers whose forward is a plain product: a row-parallel layer's forward also sums over the
-            # tensor-parallel ranks, which a WidenedLinear would drop
-            plain = type(child).forward in (nn.Linear.forward, ColumnParallelLinear.forward)
-            if (isinstance(child, nn.Linear) and plain
-                    and child.weight.dtype in HALF_TYPES and child.weight.device.type == "cpu"):
-                setattr(parent, name, WidenedLinear(child))
+            # only layers whose forward is the plain product (a row-parallel one's plus its sum over the ranks)
+            plain = type(child).forward in (nn.Linear.forward, ColumnParallelLinear.forward,
+                                            RowParallelLinear.forward)
+            compute_dtype = _packs(child.weight.dtype) if isinstance(child, nn.Linear) else None
+            if plain and compute_dtype is not None and child.weight.device.type == "cpu":
+                setattr(parent, name, PackedLinear(child, compute_dtype))
                 replaced += 1
     return replaced

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig, ModelConfigError
-from engine.layers.cpu_linear import widen_half_linears
+from engine.layers.cpu_linear import pack_cpu_linears
 from engine.layers.linear import HeadSplit, vocab_shard
 from engine.layers.moe import SparseMoeBlock
 from engine.model.gguf_loader import gguf_tensors, is_gguf_model
@@ -57,7 +57,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
     else:
         load_weights(model, cfg, parallel)
     if device.type == "cpu":
-        widen_half_linears(model)  # after loading: the checkpoint fills the nn.Linear parameters by name
+        pack_cpu_linears(model)  # after loading: the checkpoint fills the nn.Linear parameters by name
     return model.eval()
 
 

@@ -1,5 +1,4 @@
-"""The torch (CPU) attention backend against the plain einsum oracle, the widened half-precision linears and the
-CPU's few-rows product."""
+"""The torch (CPU) attention backend against the plain einsum oracle, and the CPU's packed (oneDNN) linear layers."""
 
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ from torch import nn
 
 from engine.kernels import reference
 from engine.layers.attention import AttentionMetadata, TorchAttention
-from engine.layers.cpu_linear import WidenedLinear, has_half_dot_product, widen_half_linears
-from engine.layers.linear import CPU_FEW_ROWS, ColumnParallelLinear, RowParallelLinear, dense_linear
+from engine.layers.cpu_linear import PackedLinear, pack_cpu_linears
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tests.kernels.paged import TOLERANCE, int32, make_block_tables, make_cache, relative_error
 
 
@@ -56,46 +55,53 @@ def test_torch_backend_matches_the_oracle_on_a_mixed_step(dtype: torch.dtype, nu
     assert relative_error(out.float(), expected.float()) < TOLERANCE[dtype]
 
 
-def test_widened_linear_rounds_like_a_float32_accumulating_bf16_matmul() -> None:
-    torch.manual_seed(0)
-    linear = nn.Linear(96, 40, bias=True).to(torch.bfloat16)
-    x = torch.randn(7, 96).to(torch.bfloat16)
-    out = WidenedLinear(linear)(x)
-    exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
-    assert out.dtype == torch.bfloat16
-    # only the final rounding to bf16 (half an ulp: 2^-9 relative) and float32 summation errors remain
-    assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
 
-@pytest.mark.skipif(has_half_dot_product(), reason="this CPU multiplies bf16 natively: nothing is widened")
-def test_widen_half_linears_replaces_only_half_precision_linears() -> None:
-    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Sequential(nn.Linear(8, 4).to(torch.float16)),
-                          nn.Linear(4, 4))
-    assert widen_half_linears(model) == 2
-    assert isinstance(model[0], WidenedLinear) and isinstance(model[1][0], WidenedLinear)
-    assert isinstance(model[2], nn.Linear) and model[2].weight.dtype == torch.float32
-    assert model[1][0].weight.dtype == torch.float32
-    assert model[1][0](torch.ones(1, 8, dtype=torch.float16)).dtype == torch.float16
-
-
-@pytest.mark.parametrize("rows", [1, 2, 8, CPU_FEW_ROWS, CPU_FEW_ROWS + 1, 200])
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 8, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_dense_linear_is_the_linear_product_at_every_row_count(rows: int, bias: bool) -> None:
+def test_packed_float32_linear_is_the_linear_product_at_every_row_count(rows: int, bias: bool) -> None:
     torch.manual_seed(rows)
-    weight, x = torch.randn(300, 96), torch.randn(rows, 96)
-    b = torch.randn(300) if bias else None
-    out = dense_linear(x, weight, b)
-    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    assert out.shape == (rows, 300) and out.dtype == torch.float32 and out.is_contiguous()
+    linear = nn.Linear(96, 300, bias=bias)
+    x = torch.randn(rows, 96)
+    out = PackedLinear(linear, torch.float32)(x)
+    exact = linear.double()(x.double())
+    assert out.shape == (rows, 300) and out.dtype == torch.float32
     # float32 summation order only: a few ulps of the largest partial sum (|w| |x| summed over 96 terms)
-    assert ((out.double() - exact).abs() <= 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-6).all()
-    if not 1 < rows <= CPU_FEW_ROWS:  # outside the few-rows case it is F.linear itself, bit for bit
-        assert torch.equal(out, F.linear(x, weight, b))
+    bound = 1e-5 * (x.double().abs() @ linear.weight.double().abs().T) + 1e-6
+    assert ((out.double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.skipif(has_half_dot_product(), reason="this CPU multiplies bf16 natively: nothing is widened")
-def test_column_parallel_layers_are_widened_and_row_parallel_ones_kept() -> None:
-    model = nn.Sequential(ColumnParallelLinear(8, 8, bias=False).to(torch.bfloat16),
-                          RowParallelLinear(8, 8, bias=False).to(torch.bfloat16))
-    assert widen_half_linears(model) == 1
-    assert isinstance(model[0], WidenedLinear) and isinstance(model[1], RowParallelLinear)
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_half_linear_rounds_like_a_float32_accumulating_matmul(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=True).to(dtype)
+    x = torch.randn(7, 96).to(dtype)
+    out = PackedLinear(linear, torch.float32 if dtype == torch.float16 else dtype)(x)
+    exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+    assert out.dtype == dtype
+    # only the final rounding to 16 bits (half an ulp: 2^-9 relative for bf16) and float32 summation errors
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
+
+
+class _Scaled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+@needs_onednn
+def test_pack_cpu_linears_replaces_plain_and_parallel_linears_only() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Sequential(nn.Linear(8, 4).to(torch.float16)),
+                          ColumnParallelLinear(4, 6, bias=False), RowParallelLinear(6, 4, bias=True), _Scaled(4, 4),
+                          nn.Linear(4, 4).to(torch.float64))
+    x = torch.randn(3, 4)
+    expected = model[5](model[4](model[3](model[2](x))).double())
+    assert pack_cpu_linears(model) == 4
+    assert all(isinstance(model[i], PackedLinear) for i in (0, 2, 3)) and isinstance(model[1][0], PackedLinear)
+    assert type(model[4]) is _Scaled and type(model[5]) is nn.Linear  # own forward; a dtype oneDNN lacks
+    assert model[1][0](torch.ones(1, 8, dtype=torch.float16)).dtype == torch.float16
+    assert model[0](torch.ones(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    torch.testing.assert_close(model[5](model[4](model[3](model[2](x))).double()), expected, rtol=1e-5, atol=1e-6)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from engine import LLM, FinishReason, SamplingParams
@@ -146,12 +147,19 @@ def test_eos_text_is_left_out_unless_include_stop_str_in_output(
     assert out.finish_reason == FinishReason.STOP and out.stop_reason is None
 
 
-def test_eos_ends_generation_unless_ignored(tiny_model: TinyModelFactory, async_scheduling: bool) -> None:
-    llm = LLM(model=str(tiny_model("llama")), dtype="float32", async_scheduling=async_scheduling)
-    eos = next(iter(llm.engine.model_config.eos_token_ids))
-    # make the EOS token the overwhelming favourite by raising its lm_head row
-    with torch.no_grad():
-        llm.engine.runner.model.lm_head.weight[eos] *= 50
+def test_eos_ends_generation_unless_ignored(tiny_model: TinyModelFactory, async_scheduling: bool,
+                                           tmp_path: Path) -> None:
+    source = tiny_model("llama")
+    eos = next(iter(LLM(model=str(source), dtype="float32").engine.model_config.eos_token_ids))
+    # a copy of the model whose EOS token is the overwhelming favourite: its lm_head row raised in the checkpoint
+    # (a loaded CPU model holds its linear weights packed, out of reach)
+    model_dir = tmp_path / "eos-favourite"
+    shutil.copytree(source, model_dir)
+    checkpoint = model_dir / "model.safetensors"
+    tensors = load_file(checkpoint)
+    tensors["lm_head.weight"][eos] *= 50
+    save_file(tensors, checkpoint, metadata={"format": "pt"})
+    llm = LLM(model=str(model_dir), dtype="float32", async_scheduling=async_scheduling)
     prompt = prompts_of((5,))[0]
     stopped = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0]
     assert stopped.token_ids[-1] == eos and stopped.finish_reason == FinishReason.STOP
