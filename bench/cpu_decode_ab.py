@@ -1,12 +1,14 @@
 """A/B of the engine's CPU decode step in one process, A and B alternating (this box's speed drifts by a third
 from minute to minute, so only side-by-side ratios mean anything):
 
-    python bench/cpu_decode_ab.py --model DIR_OR_GGUF [--dtype float32] [--batch 8] [--rounds 6] --ab linear|waker
+    python bench/cpu_decode_ab.py --model DIR_OR_GGUF [--dtype float32] [--batch 8] [--rounds 6] --ab linear|waker|team
 
   linear  the model's linear layers as loaded (torch's F.linear) vs packed for oneDNN (engine/layers/cpu_linear.py),
           two engines stepping in turn;
   waker   the step alone vs next to a process that wakes every 2 ms and spins 50 us (what an idle node's engine
-          thread used to do): how much a neighbour's wake-ups cost a step whose OpenMP threads fill the cores.
+          thread used to do): how much a neighbour's wake-ups cost a step whose OpenMP threads fill the cores;
+  team    the step alone vs while another thread of the process holds an idle OpenMP team (what a node's main
+          thread held when it had loaded the engine: node_common/options.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +33,13 @@ while True:
 """
 
 
+def _hold_a_team(release: threading.Event) -> None:
+    import torch
+
+    torch.ones(1 << 22).sum()  # a parallel region: this thread now has an OpenMP team
+    release.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -38,7 +48,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="steps per side per round")
-    parser.add_argument("--ab", choices=["linear", "waker"], required=True)
+    parser.add_argument("--ab", choices=["linear", "waker", "team"], required=True)
     args = parser.parse_args()
 
     import engine.model.loader as loader
@@ -75,6 +85,15 @@ def main() -> None:
         if args.ab == "linear":
             sides.setdefault("F.linear (unpacked)", []).extend(timed_steps(unpacked))
             sides.setdefault("packed for oneDNN", []).extend(timed_steps(engine))
+        elif args.ab == "team":
+            sides.setdefault("alone", []).extend(timed_steps(engine))
+            release = threading.Event()
+            holder = threading.Thread(target=_hold_a_team, args=(release,))
+            holder.start()
+            time.sleep(0.2)
+            sides.setdefault("beside another thread's idle OpenMP team", []).extend(timed_steps(engine))
+            release.set()
+            holder.join()  # the team ends with its thread
         else:
             sides.setdefault("alone", []).extend(timed_steps(engine))
             waker = subprocess.Popen([sys.executable, "-c", WAKER])

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.config import ALL2ALL_BACKENDS, ATTENTION_BACKENDS, DEVICE_CHOICES, LOAD_FORMATS, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
@@ -137,10 +140,35 @@ def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
             # asynchronous scheduling
             logger.info("prefill node: --speculative-config ignored (speculation runs on decode nodes)")
             config.speculative_config = None
-        return LLMEngine(config)
+        return _on_a_thread_of_its_own(lambda: LLMEngine(config))
     except (ValueError, GpuMemoryError) as e:  # ModelConfigError and DeviceError are ValueErrors
         logger.debug("the engine did not start", exc_info=True)
         raise SystemExit(f"{role} node: cannot start the engine: {e}") from None
+
+
+def _on_a_thread_of_its_own(start: Callable[[], T]) -> T:
+    """start() on a thread that ends with it. Why: loading, packing and profiling the model run OpenMP parallel
+    regions, and GNU OpenMP keeps a team of worker threads for every thread that ran one, for the life of that
+    thread. Had the node's main (asyncio) thread loaded the engine, its idle team would stay beside the engine
+    thread's own: with more OpenMP threads than cores, libgomp's workers stop spinning between parallel regions
+    and sleep, and every region of a CPU step then waits for its workers to be woken. A SmolLM2 decode step at
+    batch 8 on the 2-core bench box took 48-56 ms next to such a team against 40-42 ms without
+    (bench/results/engine-speed-2026-12-04.md, "CPU"). A thread's team ends with the thread."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(start())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="engine-start")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def close_node(connector: Any, engine: LLMEngine) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,21 @@ def test_node_tp_flag_and_its_alias_set_the_engines_tensor_parallel_size() -> No
     assert engine_config(node_args("--tp", "2")).tensor_parallel_size == 2
     assert engine_config(node_args("--tensor-parallel-size", "4")).tensor_parallel_size == 4
     assert engine_config(node_args()).tensor_parallel_size == 1
+
+
+def test_a_node_starts_its_engine_on_a_thread_that_ends_with_the_start(tiny_model: TinyModelFactory,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # the OpenMP team of the thread that loads the model must not outlive the start (node_common/options.py)
+    import engine.llm_engine
+
+    started_on: list[threading.Thread] = []
+    real = engine.llm_engine.LLMEngine
+
+    def recording(config: object) -> object:
+        started_on.append(threading.current_thread())
+        return real(config)
+
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine", recording)
+    loaded = load_engine(node_args(model=str(tiny_model("llama"))), "decode")
+    assert isinstance(loaded, real)
+    assert started_on and started_on[0] is not threading.current_thread() and not started_on[0].is_alive()
