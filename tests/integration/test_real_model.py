@@ -26,10 +26,12 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    # block size 4 (the test nodes'): 128 blocks hold the chat prompts and their answers. Both nodes read the GGUF
+    # block size 4 (the test nodes'): 128 blocks hold the chat prompts and their answers; float32, the oracle's
+    # dtype (auto would run the quantized file in bfloat16). Both nodes read the GGUF
     # at once (about 25 s of one core each), beside the other test worker: a longer wait than the tiny models'
     with pd_cluster(smollm2_gguf_path(), "nixl", tmp_path_factory.mktemp("real-nixl"),
-                    ["--num-kv-blocks", "128"], ["--served-model-name", NAME], ready_timeout_s=180) as url:
+                    ["--num-kv-blocks", "128", "--dtype", "float32"], ["--served-model-name", NAME],
+                    ready_timeout_s=180) as url:
         yield url
 
 

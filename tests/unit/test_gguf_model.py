@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, ModelConfigError
-from engine.gguf_config import find_gguf_file
+from engine.gguf_config import _auto_dtype, find_gguf_file, smollm2_gguf_path
 from engine.model.gguf_loader import gguf_tensors
 from engine.tokenizer import load_tokenizer
 from tests.fixtures.gguf_models import greedy, load_gguf_oracle, write_gguf
@@ -121,3 +121,10 @@ def test_reading_a_gguf_config_imports_no_torch(tiny_model: TinyModelFactory, tm
             f"assert ModelConfig.from_path({str(gguf_file)!r}).num_layers == 2; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], check=True)
+
+
+def test_auto_runs_a_quantized_file_in_bfloat16_and_a_float_file_in_its_own_dtype() -> None:
+    # SmolLM2's file is Q4_1 (llama.cpp file type 3)
+    assert ModelConfig.from_path(smollm2_gguf_path()).config_dtype == "bfloat16"
+    assert [_auto_dtype(t) for t in (0, 1, 32, 2, 7)] == ["float32", "float16", "bfloat16", "bfloat16", "bfloat16"]
+    assert _auto_dtype(None) is None  # no file type: the engine's float32
