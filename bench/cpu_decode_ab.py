@@ -1,14 +1,17 @@
 """A/B of the engine's CPU decode step in one process, A and B alternating (this box's speed drifts by a third
 from minute to minute, so only side-by-side ratios mean anything):
 
-    python bench/cpu_decode_ab.py --model DIR_OR_GGUF [--dtype float32] [--batch 8] [--rounds 6] --ab linear|waker|team
+    python bench/cpu_decode_ab.py --model DIR_OR_GGUF [--dtype float32] [--batch 8] [--rounds 6] \
+        --ab linear|waker|team|attention
 
   linear  the model's linear layers as loaded (torch's F.linear) vs packed for oneDNN (engine/layers/cpu_linear.py),
           two engines stepping in turn;
   waker   the step alone vs next to a process that wakes every 2 ms and spins 50 us (what an idle node's engine
           thread used to do): how much a neighbour's wake-ups cost a step whose OpenMP threads fill the cores;
   team    the step alone vs while another thread of the process holds an idle OpenMP team (what a node's main
-          thread held when it had loaded the engine: node_common/options.py).
+          thread held when it had loaded the engine: node_common/options.py);
+  attention  decode attention as a gather of the context + SDPA vs the in-place C++ kernel
+          (engine/layers/cpu_paged_attention.py).
 """
 
 from __future__ import annotations
@@ -48,11 +51,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="steps per side per round")
-    parser.add_argument("--ab", choices=["linear", "waker", "team"], required=True)
+    parser.add_argument("--ab", choices=["linear", "waker", "team", "attention"], required=True)
     args = parser.parse_args()
 
     import engine.model.loader as loader
     from engine import LLM, SamplingParams
+    from engine.layers import cpu_paged_attention
     from engine.llm_engine import LLMEngine
 
     def decoding_engine() -> LLMEngine:
@@ -85,6 +89,12 @@ def main() -> None:
         if args.ab == "linear":
             sides.setdefault("F.linear (unpacked)", []).extend(timed_steps(unpacked))
             sides.setdefault("packed for oneDNN", []).extend(timed_steps(engine))
+        elif args.ab == "attention":
+            serves = cpu_paged_attention.serves
+            cpu_paged_attention.serves = lambda *_: False  # type: ignore[assignment]
+            sides.setdefault("gather + SDPA", []).extend(timed_steps(engine))
+            cpu_paged_attention.serves = serves
+            sides.setdefault("in-place kernel", []).extend(timed_steps(engine))
         elif args.ab == "team":
             sides.setdefault("alone", []).extend(timed_steps(engine))
             release = threading.Event()

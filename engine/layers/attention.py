@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from engine.layers import kv_fp8
+from engine.layers import cpu_paged_attention, kv_fp8
 from engine.layers.cpu_linear import HALF_TYPES, has_half_dot_product
 
 
@@ -168,7 +168,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      sliding_window: int | None, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence, all sequences at once. q: [B, Hq, D] -> [B, Hq, D]."""
+    """One query token per sequence, all sequences at once. q: [B, Hq, D] -> [B, Hq, D]. On a CPU with the
+    in-place kernel (engine/layers/cpu_paged_attention.py) that kernel; else a gather of the context and SDPA."""
+    if cpu_paged_attention.serves(q, k_cache, k_scale):
+        return cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                          sliding_window)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     flat_table = block_tables.reshape(-1).long()

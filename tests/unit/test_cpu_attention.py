@@ -1,6 +1,9 @@
-"""The torch (CPU) attention backend against the plain einsum oracle, and the CPU's packed (oneDNN) linear layers."""
+"""The torch (CPU) attention backend and the in-place CPU decode kernel against the plain einsum oracle, and the
+CPU's packed (oneDNN) linear layers."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import reference
+from engine.layers import cpu_paged_attention
 from engine.layers.attention import AttentionMetadata, TorchAttention
 from engine.layers.cpu_linear import PackedLinear, pack_cpu_linears
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -105,3 +109,27 @@ def test_pack_cpu_linears_replaces_plain_and_parallel_linears_only() -> None:
     assert model[1][0](torch.ones(1, 8, dtype=torch.float16)).dtype == torch.float16
     assert model[0](torch.ones(2, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
     torch.testing.assert_close(model[5](model[4](model[3](model[2](x))).double()), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                    reason="no C++ compiler or ninja to build the CPU kernel with")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "sliding_window"), [(9, 3, None), (4, 4, 7)])
+def test_the_in_place_cpu_decode_kernel_matches_the_oracle(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                                           sliding_window: int | None) -> None:
+    # where a compiler is there, the kernel must build: else every CPU decode would quietly take the slow path
+    assert cpu_paged_attention.kernel() is not None
+    torch.manual_seed(1)
+    query_lens = [1, 1, 1, 1]
+    seq_lens, block_size, head_dim = [21, 4, 33, 1], 4, 16
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 8
+    cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)  # K and V interleaved: strided
+    meta = _step(query_lens, seq_lens, len(seq_lens), block_size, num_blocks, sliding_window)
+    q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
+    assert cpu_paged_attention.serves(q, cache.k, None)
+    out = cpu_paged_attention.paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens,
+                                                     head_dim ** -0.5, sliding_window)
+    expected = reference.paged_prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.query_start_loc,
+                                                 meta.seq_lens, head_dim ** -0.5, sliding_window)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert relative_error(out.float(), expected.float()) < TOLERANCE[dtype]
