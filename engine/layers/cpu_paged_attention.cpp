@@ -24,6 +24,20 @@ inline float widen(at::BFloat16 x) {  // a bf16 is the top half of a float32
   return out;
 }
 
+// n values widened to float32; bf16 eight at a time with AVX2
+inline void widen_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, sizeof(float) * n); }
+
+inline void widen_row(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; d + 8 <= n; d += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = widen(src[d]);
+}
+
 // Four keys' dot products with one query at once. With AVX2: four 8-wide accumulators, which hide the latency of
 // each other's multiply-adds; else eight partial sums each, a loop the compiler may vectorize.
 inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t n,
@@ -127,45 +141,50 @@ void attend(const float* q, const T* k_cache, const T* v_cache, Strides ks, Stri
       sums.assign(group * head_dim, 0.0f);
       const float* queries = q + (b * num_heads + h * group) * head_dim;
       const int32_t* table = block_tables + b * table_width;
-      auto at = [&](const T* cache, const Strides& st, int64_t t) {
-        return cache + table[t / block_size] * st.block + (t % block_size) * st.token + h * st.head;
-      };
-      // four keys (or values) at a time, widened to float32 rows; past the window's end a row repeats the last
-      // token's and its score or weight is dropped
-      auto widen4 = [&](const T* cache, const Strides& st, int64_t t0) {
-        for (int i = 0; i < 4; ++i) {
-          const T* src = at(cache, st, std::min(t0 + i, len - 1));
-          for (int64_t d = 0; d < head_dim; ++d) rows[i * head_dim + d] = widen(src[d]);
+      // Walks the window block by block, four tokens at a time: widens their keys (or values) into float32 rows
+      // (past a block's last token a row repeats it; fn gets how many are real) and calls fn(t, count). A block
+      // holds its tokens of one head and layer together, and the sequence's next block lies anywhere in the pool:
+      // it is fetched while this one is computed, else every block starts with a wait on memory.
+      auto each_four = [&](const T* cache, const Strides& st, auto&& fn) {
+        for (int64_t block = first / block_size; block * block_size < len; ++block) {
+          const int64_t lo = std::max(first, block * block_size), hi = std::min(len, (block + 1) * block_size);
+          const T* base = cache + table[block] * st.block + h * st.head - block * block_size * st.token;
+          if (hi < len) {
+            const char* next = reinterpret_cast<const char*>(cache + table[block + 1] * st.block + h * st.head);
+            const int64_t bytes = std::min(block_size, len - hi) * st.token * static_cast<int64_t>(sizeof(T));
+            for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(next + offset);
+          }
+          for (int64_t t = lo; t < hi; t += 4) {
+            const int64_t count = std::min<int64_t>(4, hi - t);
+            for (int64_t i = 0; i < 4; ++i)
+              widen_row(base + (t + std::min(i, count - 1)) * st.token, rows.data() + i * head_dim, head_dim);
+            fn(t, count);
+          }
         }
       };
-      for (int64_t t = first; t < len; t += 4) {
-        widen4(k_cache, ks, t);
-        const int64_t count = std::min<int64_t>(4, len - t);
+      const float* r = rows.data();
+      each_four(k_cache, ks, [&](int64_t t, int64_t count) {
         for (int64_t g = 0; g < group; ++g) {
           float four[4];
-          dot4(queries + g * head_dim, rows.data(), rows.data() + head_dim, rows.data() + 2 * head_dim,
-               rows.data() + 3 * head_dim, head_dim, four);
+          dot4(queries + g * head_dim, r, r + head_dim, r + 2 * head_dim, r + 3 * head_dim, head_dim, four);
           for (int64_t i = 0; i < count; ++i) scores[g * span + (t - first) + i] = four[i] * scale;
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * span;
         const float inverse = 1.0f / exp_shifted(s, span, *std::max_element(s, s + span));
         for (int64_t i = 0; i < span; ++i) s[i] *= inverse;
       }
-      for (int64_t t = first; t < len; t += 4) {
-        widen4(v_cache, vs, t);
-        const int64_t count = std::min<int64_t>(4, len - t);
+      each_four(v_cache, vs, [&](int64_t t, int64_t count) {
         for (int64_t g = 0; g < group; ++g) {
           const float* p = scores.data() + g * span + (t - first);
           const float p0 = p[0], p1 = count > 1 ? p[1] : 0.0f, p2 = count > 2 ? p[2] : 0.0f,
                       p3 = count > 3 ? p[3] : 0.0f;
           float* sum = sums.data() + g * head_dim;
-          const float* r = rows.data();
           for (int64_t d = 0; d < head_dim; ++d)
             sum[d] += (p0 * r[d] + p1 * r[head_dim + d]) + (p2 * r[2 * head_dim + d] + p3 * r[3 * head_dim + d]);
         }
-      }
+      });
       std::memcpy(result, sums.data(), sizeof(float) * group * head_dim);
     }
   });
