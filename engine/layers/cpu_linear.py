@@ -84,8 +84,10 @@ def pack_cpu_linears(model: nn.Module) -> int:
             # only layers whose forward is the plain product (a row-parallel one's plus its sum over the ranks)
             plain = type(child).forward in (nn.Linear.forward, ColumnParallelLinear.forward,
                                             RowParallelLinear.forward)
-            compute_dtype = _packs(child.weight.dtype) if isinstance(child, nn.Linear) else None
-            if plain and compute_dtype is not None and child.weight.device.type == "cpu":
+            if not (plain and isinstance(child, nn.Linear) and child.weight.device.type == "cpu"):
+                continue
+            compute_dtype = _packs(child.weight.dtype)
+            if compute_dtype is not None:
                 setattr(parent, name, PackedLinear(child, compute_dtype))
                 replaced += 1
     return replaced
