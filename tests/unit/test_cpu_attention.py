@@ -4,6 +4,9 @@ CPU's packed (oneDNN) linear layers."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from engine.layers.attention import AttentionMetadata, TorchAttention
 from engine.layers.cpu_linear import PackedLinear, pack_cpu_linears
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tests.kernels.paged import TOLERANCE, int32, make_block_tables, make_cache, relative_error
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _step(query_lens: list[int], seq_lens: list[int], num_decodes: int, block_size: int, num_blocks: int,
@@ -133,3 +138,19 @@ def test_the_in_place_cpu_decode_kernel_matches_the_oracle(dtype: torch.dtype, n
                                                  meta.seq_lens, head_dim ** -0.5, sliding_window)
     assert out.dtype == dtype and out.shape == q.shape
     assert relative_error(out.float(), expected.float()) < TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                    reason="no C++ compiler or ninja to build the CPU kernel with")
+def test_a_built_kernel_loads_although_a_killed_process_left_the_build_lock() -> None:
+    module = cpu_paged_attention.kernel()
+    assert module is not None
+    lock = Path(module.__file__).parent / "lock"
+    lock.touch()  # what a node killed inside torch's build step leaves behind
+    try:
+        loaded = subprocess.run([sys.executable, "-c", "from engine.layers import cpu_paged_attention as c; "
+                                 "print(c.kernel() is not None)"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=60)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert loaded.stdout.strip() == "True", loaded.stderr
