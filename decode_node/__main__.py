@@ -8,7 +8,6 @@ import argparse
 from decode_node.clients import PrefillLeaseClient
 from decode_node.loop import DecodeLoop
 from decode_node.service import DecodeService
-from engine.async_engine import AsyncEngine
 from node_common.kv import mismatched_blocks, node_layout_hash, open_connector
 from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args
 from node_common.registrar import advertised_address
@@ -29,9 +28,9 @@ def main() -> None:
     except TLSFileError as e:
         raise SystemExit(f"decode node: {e}") from None
     name = node_id(args, "decode")
-    engine = load_engine(args, "decode")
+    async_engine = load_engine(args, "decode")
+    engine = async_engine.engine
     connector, region, _ = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
-    async_engine = AsyncEngine(engine)
     async_engine.add_ticker(lambda _: connector.progress())
     layout_hash = node_layout_hash(engine)
     loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient(prefill_security),

@@ -50,14 +50,58 @@ class AsyncEngine:
         self._in_flight: list[Callable[[], bool]] = []
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._go: threading.Event | None = None  # set: a thread made by load() enters the loop
         self.error: BaseException | None = None
 
+    @classmethod
+    def load(cls, build: Callable[[], LLMEngine], idle_wait_s: float = 0.002,
+             rest_wait_s: float = 0.05) -> AsyncEngine:
+        """build() on the thread that will run the engine; returns once it has built (its exception re-raised
+        here), and start() then runs the loop on that same thread. Why the same thread: the tensor-parallel
+        worker processes the build spawns die with the thread that spawned them (PR_SET_PDEATHSIG follows the
+        creating thread), and GNU OpenMP keeps a team of worker threads for every thread that ever ran a parallel
+        region: a loading thread's idle team beside the engine thread's own makes libgomp's workers sleep between
+        regions, and every region of a CPU step then waits to wake them (a SmolLM2 decode step at batch 8 on the
+        2-core bench box: 51.8 ms beside such a team, 39.5 ms without; bench/results/engine-speed-2026-12-04.md)."""
+        built = threading.Event()
+        go = threading.Event()
+        outcome: list[LLMEngine] = []
+        error: list[BaseException] = []
+        loaded: list[AsyncEngine] = []
+
+        def run() -> None:
+            try:
+                outcome.append(build())
+            except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+                error.append(e)
+                return
+            finally:
+                built.set()
+            go.wait()
+            loaded[0]._run()
+
+        thread = threading.Thread(target=run, name="engine", daemon=True)
+        thread.start()
+        built.wait()
+        if error:
+            thread.join()
+            raise error[0]
+        self = cls(outcome[0], idle_wait_s, rest_wait_s)
+        self._thread, self._go = thread, go
+        loaded.append(self)
+        return self
+
     def start(self) -> None:
-        self._thread.start()
+        if self._go is not None:
+            self._go.set()
+        else:
+            self._thread.start()
 
     def stop(self) -> None:
         self._stopped.set()
         self._commands.put(lambda: None)
+        if self._go is not None:
+            self._go.set()  # a loaded engine never started: its thread enters the loop, sees the stop and ends
         self._thread.join(timeout=10)
 
     @property

@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ALL2ALL_BACKENDS, ATTENTION_BACKENDS, DEVICE_CHOICES, LOAD_FORMATS, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
@@ -24,10 +22,10 @@ from settings import env as environment
 from settings.cluster import ENGINE_DEFAULTS
 
 if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
@@ -122,10 +120,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)
 
 
-def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
-    """The node's engine. What the machine cannot run (a bad flag value, a model it cannot read, a device it does
-    not have, too little GPU memory) ends the process with the reason on one line, not a traceback."""
-    from engine.device import GpuMemoryError  # torch: only in the node process
+def load_engine(args: argparse.Namespace, role: str) -> AsyncEngine:
+    """The node's engine, built on its own thread (AsyncEngine.load says why), not yet started. What the machine
+    cannot run (a bad flag value, a model it cannot read, a device it does not have, too little GPU memory) ends
+    the process with the reason on one line, not a traceback."""
+    from engine.async_engine import AsyncEngine  # torch: only in the node process
+    from engine.device import GpuMemoryError
     from engine.llm_engine import LLMEngine
 
     if args.num_threads is not None:
@@ -140,35 +140,10 @@ def load_engine(args: argparse.Namespace, role: str) -> LLMEngine:
             # asynchronous scheduling
             logger.info("prefill node: --speculative-config ignored (speculation runs on decode nodes)")
             config.speculative_config = None
-        return _on_a_thread_of_its_own(lambda: LLMEngine(config))
+        return AsyncEngine.load(lambda: LLMEngine(config))
     except (ValueError, GpuMemoryError) as e:  # ModelConfigError and DeviceError are ValueErrors
         logger.debug("the engine did not start", exc_info=True)
         raise SystemExit(f"{role} node: cannot start the engine: {e}") from None
-
-
-def _on_a_thread_of_its_own(start: Callable[[], T]) -> T:
-    """start() on a thread that ends with it. Why: loading, packing and profiling the model run OpenMP parallel
-    regions, and GNU OpenMP keeps a team of worker threads for every thread that ran one, for the life of that
-    thread. Had the node's main (asyncio) thread loaded the engine, its idle team would stay beside the engine
-    thread's own: with more OpenMP threads than cores, libgomp's workers stop spinning between parallel regions
-    and sleep, and every region of a CPU step then waits for its workers to be woken. A SmolLM2 decode step at
-    batch 8 on the 2-core bench box took 48-56 ms next to such a team against 40-42 ms without
-    (bench/results/engine-speed-2026-12-04.md, "CPU"). A thread's team ends with the thread."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(start())
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            error.append(e)
-
-    thread = threading.Thread(target=run, name="engine-start")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
 
 
 def close_node(connector: Any, engine: LLMEngine) -> None:

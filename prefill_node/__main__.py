@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 
-from engine.async_engine import AsyncEngine
 from engine.llm_engine import PinnedBlocks
 from node_common.kv import block_checksums, node_layout_hash, open_connector
 from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args
@@ -29,7 +28,8 @@ def main() -> None:
     args = parse_node_args(parser)
     setup_logging(args.log_level)
     name = node_id(args, "prefill")
-    engine = load_engine(args, "prefill")
+    async_engine = load_engine(args, "prefill")
+    engine = async_engine.engine
     layout_hash = node_layout_hash(engine)
     connector, _, metadata = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
     address = advertised_address(args)  # what the registry holds, and what decode nodes call for lease RPCs
@@ -41,7 +41,6 @@ def main() -> None:
                         num_tokens=pinned.num_tokens, layout_hash=layout_hash, lease_deadline=deadline,
                         block_checksums=block_checksums(engine, blocks))
 
-    async_engine = AsyncEngine(engine)
     loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket)
     # the owner of registered memory must keep the transfer library progressing (ENV-NOTES: NIXL) for decode
     # nodes to read its leased blocks: every idle_wait_s while any block is leased, at rest otherwise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -93,3 +94,30 @@ def test_an_idle_engine_ticks_often_only_while_a_ticker_has_work_in_flight(tiny_
     assert busy_ticks >= 20, busy_ticks
     assert resting_ticks <= 1, resting_ticks
     assert woke_after_s < 2.5, woke_after_s
+
+
+def test_a_loaded_engine_runs_on_the_thread_that_built_it_and_build_errors_reach_the_caller(
+        tiny_model: TinyModelFactory) -> None:
+    def failing() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.load(failing)
+    builder: list[threading.Thread] = []
+
+    def build() -> LLMEngine:
+        builder.append(threading.current_thread())
+        return LLMEngine(EngineConfig(model=str(tiny_model("llama")), dtype="float32", block_size=4))
+
+    loaded = AsyncEngine.load(build)
+    ran_on: list[threading.Thread] = []
+
+    async def ask() -> None:
+        await loaded.call(lambda engine: ran_on.append(threading.current_thread()))
+
+    loaded.start()
+    try:
+        asyncio.run(ask())
+    finally:
+        loaded.stop()
+    assert ran_on == builder and not builder[0].is_alive()

@@ -154,19 +154,27 @@ def test_node_tp_flag_and_its_alias_set_the_engines_tensor_parallel_size() -> No
     assert engine_config(node_args()).tensor_parallel_size == 1
 
 
-def test_a_node_starts_its_engine_on_a_thread_that_ends_with_the_start(tiny_model: TinyModelFactory,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # the OpenMP team of the thread that loads the model must not outlive the start (node_common/options.py)
+def test_a_node_builds_its_engine_on_the_thread_that_runs_it(tiny_model: TinyModelFactory,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # tensor-parallel workers die with the thread that spawned them, and an OpenMP team lives as long as the
+    # thread that made it (AsyncEngine.load): the engine is built on the engine thread, and the loop runs there
     import engine.llm_engine
 
-    started_on: list[threading.Thread] = []
+    built_on: list[threading.Thread] = []
     real = engine.llm_engine.LLMEngine
 
     def recording(config: object) -> object:
-        started_on.append(threading.current_thread())
+        built_on.append(threading.current_thread())
         return real(config)
 
     monkeypatch.setattr(engine.llm_engine, "LLMEngine", recording)
     loaded = load_engine(node_args(model=str(tiny_model("llama"))), "decode")
-    assert isinstance(loaded, real)
-    assert started_on and started_on[0] is not threading.current_thread() and not started_on[0].is_alive()
+    try:
+        assert isinstance(loaded.engine, real)
+        assert built_on == [loaded._thread] and built_on[0] is not threading.current_thread()
+        assert built_on[0].is_alive()  # waiting for start(), not gone
+        loaded.start()
+        assert loaded.healthy
+    finally:
+        loaded.stop()
+    assert not built_on[0].is_alive()
