@@ -140,10 +140,18 @@ def load_engine(args: argparse.Namespace, role: str) -> AsyncEngine:
             # asynchronous scheduling
             logger.info("prefill node: --speculative-config ignored (speculation runs on decode nodes)")
             config.speculative_config = None
-        return AsyncEngine.load(lambda: LLMEngine(config))
+        loaded = AsyncEngine.load(lambda: LLMEngine(config))
     except (ValueError, GpuMemoryError) as e:  # ModelConfigError and DeviceError are ValueErrors
         logger.debug("the engine did not start", exc_info=True)
         raise SystemExit(f"{role} node: cannot start the engine: {e}") from None
+    device = loaded.engine.runner.device
+    if device.type == "cuda":
+        import torch
+
+        # this thread registers the KV pool with the transfer library next: its device current here too, as on
+        # the thread that built the engine
+        torch.cuda.set_device(device)
+    return loaded
 
 
 def close_node(connector: Any, engine: LLMEngine) -> None:
