@@ -63,22 +63,20 @@ class AsyncEngine:
         region: a loading thread's idle team beside the engine thread's own makes libgomp's workers sleep between
         regions, and every region of a CPU step then waits to wake them (a SmolLM2 decode step at batch 8 on the
         2-core bench box: 51.8 ms beside such a team, 39.5 ms without; bench/results/engine-speed-2026-12-04.md)."""
-        built = threading.Event()
-        go = threading.Event()
-        outcome: list[LLMEngine] = []
+        built, go = threading.Event(), threading.Event()
+        made: list[AsyncEngine] = []
         error: list[BaseException] = []
-        loaded: list[AsyncEngine] = []
 
         def run() -> None:
             try:
-                outcome.append(build())
+                made.append(cls(build(), idle_wait_s, rest_wait_s))
             except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
                 error.append(e)
                 return
             finally:
                 built.set()
             go.wait()
-            loaded[0]._run()
+            made[0]._run()
 
         thread = threading.Thread(target=run, name="engine", daemon=True)
         thread.start()
@@ -86,10 +84,8 @@ class AsyncEngine:
         if error:
             thread.join()
             raise error[0]
-        self = cls(outcome[0], idle_wait_s, rest_wait_s)
-        self._thread, self._go = thread, go
-        loaded.append(self)
-        return self
+        made[0]._thread, made[0]._go = thread, go
+        return made[0]
 
     def start(self) -> None:
         if self._go is not None:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import check_cache, fp8_scale, fp8_scale_exponent, fp8_scales, round_to_e4m3
-from engine.kernels.layers import rotate_heads, rotated_halves
+from engine.kernels.layers import rotate_heads, rotated_halves, token_cos_sin
 
 
 @triton.jit
@@ -100,11 +100,8 @@ def _rotary_store_kernel(
     Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
+    token, cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, stride_cos_sin, HALF, HALF_PAD)
     cols = tl.arange(0, HALF_PAD)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=cols < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=cols < HALF, other=0.0)
     rotate_heads(q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
                   cos, sin, num_q_heads, Q_HEADS_PAD, HALF, HALF_PAD)
     k1, k2 = rotated_halves(k_ptr, token, stride_k_token, stride_k_head, cos, sin, num_kv_heads, K_HEADS_PAD, HALF,

@@ -89,6 +89,18 @@ def rotated_halves(x_ptr, token, stride_token, stride_head, cos, sin, num_heads,
 
 
 @triton.jit
+def token_cos_sin(positions_ptr, cos_sin_ptr, stride_cos_sin, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """This program's token and the cos and sin rows [1, HALF_PAD] of its position (float32); also the fused RoPE +
+    store's (engine/kernels/kv_store.py)."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=cols < HALF, other=0.0)
+    return token, cos, sin
+
+
+@triton.jit
 def rotate_heads(x_ptr, out_ptr, token, stride_token, stride_head, stride_out_token, stride_out_head,
                   cos, sin, num_heads, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
     first, second = rotated_halves(x_ptr, token, stride_token, stride_head, cos, sin, num_heads, HEADS_PAD, HALF,
@@ -109,11 +121,7 @@ def _rotary_kernel(
     num_q_heads, num_k_heads,
     Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cols = tl.arange(0, HALF_PAD)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=cols < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=cols < HALF, other=0.0)
+    token, cos, sin = token_cos_sin(positions_ptr, cos_sin_ptr, stride_cos_sin, HALF, HALF_PAD)
     rotate_heads(q_ptr, q_out_ptr, token, stride_q_token, stride_q_head, stride_qo_token, stride_qo_head,
                   cos, sin, num_q_heads, Q_HEADS_PAD, HALF, HALF_PAD)
     rotate_heads(k_ptr, k_out_ptr, token, stride_k_token, stride_k_head, stride_ko_token, stride_ko_head,

@@ -86,7 +86,9 @@ def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window:
 
 
 class TorchAttention(AttentionBackend):
-    """A clear implementation over the paged cache; the reference the Triton kernels are checked against."""
+    """A clear implementation over the paged cache, checked against the einsum oracle (tests/unit/test_cpu_attention.py,
+    its decodes through the in-place CPU kernel where that is built); the reference the Triton kernels are checked
+    against."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -15,8 +15,6 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-
 inline float widen(at::BFloat16 x) {  // a bf16 is the top half of a float32
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float out;
