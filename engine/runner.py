@@ -27,7 +27,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import GpuMemoryError, check_free_memory, gib, plan_gpu_memory, resolve_device
-from engine.layers import cpu_paged_attention, kv_fp8
+from engine.layers import cpu_kernels, kv_fp8
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.layers.linear import HeadSplit
 from engine.model.loader import build_model
@@ -130,7 +130,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up(min(cfg.max_num_batched_tokens, max_model_len))
         else:
-            cpu_paged_attention.kernel()  # built (or found built) now, not inside a request's first step
+            cpu_kernels.kernel()  # built (or found built) now, not inside a request's first step
         logger.info("model %s on %s in %s, %d KV blocks of %d tokens (%s)", model_cfg.architecture, self.device,
                     self.dtype, self.num_blocks, self.block_size, self.kv_cache_dtype)
 

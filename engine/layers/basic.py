@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import RopeConfig
+from engine.layers import cpu_kernels
 from engine.layers.linear import RowParallelLinear
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; with `fused`, a Triton kernel (GPU) instead of the torch ops."""
+    """RMSNorm; with `fused`, a Triton kernel (GPU) instead of the torch ops; on the CPU in 16 bits, the C++ op
+    (engine/layers/cpu_kernels.py)."""
 
     def __init__(self, size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
@@ -26,6 +28,8 @@ class RMSNorm(nn.Module):
             from engine.kernels.layers import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
+        if cpu_kernels.layer_ops_serve(x, float32=False):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)[0]
         # As transformers: normalise in float32, cast back, then scale (F.rms_norm does the float32 part
         # in one pass, bit-equal to mean/rsqrt in float32 and 3x faster on CPU).
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -37,6 +41,8 @@ class RMSNorm(nn.Module):
             from engine.kernels.layers import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
+        if cpu_kernels.layer_ops_serve(x, float32=False):
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
         summed = x + residual
         return self.forward(summed), summed
 
@@ -61,6 +67,8 @@ def silu_and_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
         from engine.kernels.layers import silu_and_mul as fused_silu_and_mul
 
         return fused_silu_and_mul(gate_up)
+    if cpu_kernels.layer_ops_serve(gate_up, float32=False):
+        return cpu_kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers import cpu_kernels
 from engine.layers.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.layers.basic import RMSNorm, RotaryEmbedding, linear, silu_and_mul
 from engine.layers.linear import (
@@ -58,12 +59,17 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache = KVCacheLayer(*kv_cache)  # a plain (k, v) pair reads as a cache without scales
-        # with the GPU kernels, RoPE and the K/V store are one launch (an FP8 cache quantizes in the backend's store)
-        kv_stored = self.rotary.fused and cache.k_scale is None
-        if kv_stored:
+        # RoPE and the K/V store are one Triton launch with the GPU kernels, one C++ pass on the CPU (an FP8 cache
+        # quantizes in the backend's store)
+        kv_stored = cache.k_scale is None and (
+            self.rotary.fused or (cache.k.dtype == q.dtype and cpu_kernels.layer_ops_serve(q, float32=True)))
+        if kv_stored and self.rotary.fused:
             from engine.kernels.kv_store import rotary_and_store_kv  # needs triton: imported where it runs
 
             q, k = rotary_and_store_kv(positions, q, k, v, self.rotary.cos_sin, cache.k, cache.v, meta.slot_mapping)
+        elif kv_stored:
+            q, k = cpu_kernels.rotary_and_store_kv(positions, q, k, v, self.rotary.cos_sin, cache.k, cache.v,
+                                                   meta.slot_mapping)
         else:
             q, k = self.rotary(positions, q, k)
         out = backend.forward(q, k, v, cache.k, cache.v, meta, self.scale, k_scale=cache.k_scale,

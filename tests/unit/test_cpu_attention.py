@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import reference
-from engine.layers import cpu_paged_attention
+from engine.layers import cpu_kernels, cpu_paged_attention
 from engine.layers.attention import AttentionMetadata, TorchAttention
 from engine.layers.cpu_linear import PackedLinear, pack_cpu_linears
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -118,15 +118,18 @@ def test_pack_cpu_linears_replaces_plain_and_parallel_linears_only() -> None:
 
 @pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
                     reason="no C++ compiler or ninja to build the CPU kernel with")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "sliding_window"), [(9, 3, None), (4, 4, 7)])
+# head sizes: 64 values held in registers, then 8 at a time (72), and a scalar tail (20); blocks of 4 and 16 tokens
+@pytest.mark.parametrize(("head_dim", "block_size"), [(16, 4), (72, 16), (20, 16)])
 def test_the_in_place_cpu_decode_kernel_matches_the_oracle(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                                                           sliding_window: int | None) -> None:
+                                                           sliding_window: int | None, head_dim: int,
+                                                           block_size: int) -> None:
     # where a compiler is there, the kernel must build: else every CPU decode would quietly take the slow path
-    assert cpu_paged_attention.kernel() is not None
+    assert cpu_kernels.kernel() is not None
     torch.manual_seed(1)
     query_lens = [1, 1, 1, 1]
-    seq_lens, block_size, head_dim = [21, 4, 33, 1], 4, 16
+    seq_lens = [21, 4, 33, 1]
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 8
     cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)  # K and V interleaved: strided
     meta = _step(query_lens, seq_lens, len(seq_lens), block_size, num_blocks, sliding_window)
@@ -143,12 +146,12 @@ def test_the_in_place_cpu_decode_kernel_matches_the_oracle(dtype: torch.dtype, n
 @pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
                     reason="no C++ compiler or ninja to build the CPU kernel with")
 def test_a_built_kernel_loads_although_a_killed_process_left_the_build_lock() -> None:
-    module = cpu_paged_attention.kernel()
+    module = cpu_kernels.kernel()
     assert module is not None
     lock = Path(module.__file__).parent / "lock"
     lock.touch()  # what a node killed inside torch's build step leaves behind
     try:
-        loaded = subprocess.run([sys.executable, "-c", "from engine.layers import cpu_paged_attention as c; "
+        loaded = subprocess.run([sys.executable, "-c", "from engine.layers import cpu_kernels as c; "
                                  "print(c.kernel() is not None)"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=60)
     finally:
