@@ -2,7 +2,7 @@
 from minute to minute, so only side-by-side ratios mean anything):
 
     python bench/cpu_decode_ab.py --model DIR_OR_GGUF [--dtype float32] [--batch 8] [--rounds 6] \
-        --ab linear|waker|team|attention
+        --ab linear|waker|team|attention|ops
 
   linear  the model's linear layers as loaded (torch's F.linear) vs packed for oneDNN (engine/layers/cpu_linear.py),
           two engines stepping in turn;
@@ -11,7 +11,9 @@ from minute to minute, so only side-by-side ratios mean anything):
   team    the step alone vs while another thread of the process holds an idle OpenMP team (what a node's main
           thread held when it had loaded the engine: node_common/options.py);
   attention  decode attention as a gather of the context + SDPA vs the in-place C++ kernel
-          (engine/layers/cpu_paged_attention.py).
+          (engine/layers/cpu_paged_attention.py);
+  ops     a layer's small ops (RMSNorm + residual add, RoPE + K/V store, SiLU-and-mul) as torch ops vs one C++ pass
+          each (engine/layers/cpu_layer_ops.cpp).
 """
 
 from __future__ import annotations
@@ -51,12 +53,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=4, help="steps per side per round")
-    parser.add_argument("--ab", choices=["linear", "waker", "team", "attention"], required=True)
+    parser.add_argument("--ab", choices=["linear", "waker", "team", "attention", "ops"], required=True)
     args = parser.parse_args()
 
     import engine.model.loader as loader
     from engine import LLM, SamplingParams
-    from engine.layers import cpu_paged_attention
+    from engine.layers import cpu_kernels, cpu_paged_attention
     from engine.llm_engine import LLMEngine
 
     def decoding_engine() -> LLMEngine:
@@ -95,6 +97,12 @@ def main() -> None:
             sides.setdefault("gather + SDPA", []).extend(timed_steps(engine))
             cpu_paged_attention.serves = serves
             sides.setdefault("in-place kernel", []).extend(timed_steps(engine))
+        elif args.ab == "ops":
+            layer_ops_serve = cpu_kernels.layer_ops_serve
+            cpu_kernels.layer_ops_serve = lambda *_, **__: False  # type: ignore[assignment]
+            sides.setdefault("torch ops", []).extend(timed_steps(engine))
+            cpu_kernels.layer_ops_serve = layer_ops_serve
+            sides.setdefault("C++ layer ops", []).extend(timed_steps(engine))
         elif args.ab == "team":
             sides.setdefault("alone", []).extend(timed_steps(engine))
             release = threading.Event()
