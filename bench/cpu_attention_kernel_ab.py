@@ -53,7 +53,8 @@ def main() -> None:
         tables = (torch.randperm(num_blocks - 1)[:batch * blocks_per_seq] + 1).view(batch, -1).int()
         seq_lens = torch.full((batch,), context, dtype=torch.int32)
         q = torch.randn(batch, heads, head_dim)
-        views = [(pool[:, :, layer, 0].transpose(1, 2), pool[:, :, layer, 1].transpose(1, 2)) for layer in range(layers)]
+        views = [(pool[:, :, layer, 0].transpose(1, 2), pool[:, :, layer, 1].transpose(1, 2))
+                 for layer in range(layers)]
         outs = [m.paged_decode_attention(q, *views[0], tables, seq_lens, head_dim ** -0.5, 0) for m in (before, after)]
         difference = ((outs[0] - outs[1]).abs().max() / outs[0].abs().max()).item()
         times: dict[str, list[float]] = {"before": [], "after": []}

@@ -195,9 +195,10 @@ class DecodeLoop:
                       deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
         finished = False
         while not finished:
-            timeout = None if deadline is None else deadline - time.time()
             try:
-                event = await asyncio.wait_for(events.get(), timeout)
+                # a token already there is taken without a wait; else a deadline's timer (wait_for would make a
+                # task and a timer for every token)
+                event = events.get_nowait() if not events.empty() else await _get(events, deadline)
             except TimeoutError as e:
                 raise DecodeError("DEADLINE_EXCEEDED", f"request {request.request_id} passed its deadline") from e
             if isinstance(event, RequestAborted):
@@ -361,3 +362,12 @@ class DecodeLoop:
     async def abort(self, request_id: str) -> bool:
         return await self.engine.call(lambda e: self.engine.abort(e, request_id))
 
+
+
+
+async def _get(events: asyncio.Queue[StepOutput | StreamEnd], deadline: float | None) -> StepOutput | StreamEnd:
+    """The stream's next event; TimeoutError once the deadline (a time.time()) passes."""
+    if deadline is None:
+        return await events.get()
+    async with asyncio.timeout(max(0.0, deadline - time.time())):
+        return await events.get()

@@ -27,9 +27,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / name for name in ("cpu_paged_attention.cpp", "cpu_layer_ops.cpp")]
+_SOURCES = [_DIR / name for name in ("cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_linear.cpp")]
 _HEADERS = [_DIR / "cpu_vec.h"]
-_FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_and_store_kv", "silu_and_mul"]
+_FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_and_store_kv", "silu_and_mul", "bf16_linear_built",
+              "pack_bf16_linear_weight", "bf16_linear"]
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 # a build's lock older than this was left by a process killed while building (torch would wait on it forever)

@@ -1,12 +1,15 @@
-"""CPU linear layers through oneDNN with weights packed once at load.
+"""CPU linear layers with weights packed once at load: bf16 tiles for our own kernel on CPUs with AVX512-BF16, else
+oneDNN's blocked layout.
 
 torch's default CPU product (MKL for float32, a converting loop for bf16 on hosts without bf16 instructions) runs a
-decode step's few rows far below the memory bandwidth. oneDNN's inner-product primitive on a weight reordered
-once into its blocked layout reads the weights at about the bandwidth at every row count, in float32 and in bf16
-(bf16 values widened in registers, products summed in float32, the output rounded to bf16: a bf16 GEMM's
-arithmetic). On the 2-core AVX2 bench box, SmolLM2-135M's linears of one decode step at 8 rows took 45.5 ms
-(float32, MKL as (W @ x^T)^T) and 24.5 ms packed; in bf16 13.9 ms packed
-(bench/results/engine-speed-2026-12-04.md, "CPU").
+decode step's few rows far below the memory bandwidth. oneDNN's inner-product primitive on a weight reordered once
+into its blocked layout does better (bf16 values widened in registers, products summed in float32, the output
+rounded to bf16: a bf16 GEMM's arithmetic): SmolLM2-135M's linears of one decode step at 8 rows took 45.5 ms
+(float32, MKL) and 24.5 ms packed; in bf16 13.9 ms (bench/results/engine-speed-2026-12-04.md, "CPU"). But at 8
+rows it read bf16 weights at ~20 GB/s where the box streams 30-35, so on CPUs with AVX512-BF16 a bf16 layer runs
+engine/layers/cpu_linear.cpp instead: the same arithmetic (pairs of bf16 products summed into float32 by
+VDPBF16PS, the output rounded to bf16), 1.8x oneDNN's speed at 8 rows and equal to it at a 2048-token prefill,
+where both run at the cores' peak (bench/results/engine-speed-2026-12-05.md).
 
 float16 has no oneDNN path without AVX512-FP16 or AVX-NE-CONVERT: such a layer is packed as float32 (the weights
 widened once: fp16 values are exact in float32) and its input widened at the call, which is the arithmetic of a
@@ -20,6 +23,7 @@ import functools
 import torch
 from torch import nn
 
+from engine.layers import cpu_kernels
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.parallel.context import SINGLE_RANK, ParallelContext
 
@@ -46,9 +50,18 @@ def _packs(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
+@functools.cache
+def has_bf16_kernel() -> bool:
+    """Whether bf16 layers run our AVX512-BF16 kernel here: the CPU has the instructions and the kernels built."""
+    module = cpu_kernels.kernel()
+    return bool(torch.cpu._is_avx512_bf16_supported() and module is not None and module.bf16_linear_built())
+
+
 class PackedLinear(nn.Module):
-    """A linear layer (plain, column- or row-parallel) whose weight is held in oneDNN's layout; input and
-    output keep the model's dtype. A row-parallel layer's partial products are still summed over the ranks."""
+    """A linear layer (plain, column- or row-parallel) whose weight is held packed: as bf16 tiles for
+    engine/layers/cpu_linear.cpp (a bf16 layer whose input size is even, on a CPU with AVX512-BF16), else in
+    oneDNN's layout. Input and output keep the model's dtype. A row-parallel layer's partial products are still
+    summed over the ranks."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype) -> None:
         super().__init__()
@@ -57,15 +70,32 @@ class PackedLinear(nn.Module):
         self.compute_dtype = compute_dtype
         self.parallel: ParallelContext = (linear.parallel if isinstance(linear, RowParallelLinear)
                                           else SINGLE_RANK)
-        # an opaque oneDNN tensor: not a parameter (state_dict and .to() cannot hold it), and not needed there:
-        # packing happens after the checkpoint is loaded, on the CPU the layer stays on
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(compute_dtype),
-                                                              _PACKED_FOR_ROWS)
+        weight = linear.weight.detach()
+        self.tiles: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        if compute_dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and has_bf16_kernel():
+            module = cpu_kernels.kernel()
+            assert module is not None, "has_bf16_kernel() says it is built"
+            self.tiles = module.pack_bf16_linear_weight(weight.to(torch.bfloat16))
+            bias_dtype = torch.float32  # added to the float32 sums before they are rounded, as oneDNN does
+        else:
+            # an opaque oneDNN tensor: not a parameter (state_dict and .to() cannot hold it), and not needed there:
+            # packing happens after the checkpoint is loaded, on the CPU the layer stays on
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute_dtype), _PACKED_FOR_ROWS)
+            bias_dtype = compute_dtype
         self.bias = (None if linear.bias is None
-                     else nn.Parameter(linear.bias.detach().to(compute_dtype), requires_grad=False))
+                     else nn.Parameter(linear.bias.detach().to(bias_dtype), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.bias, "none", [], "")
+        if self.tiles is not None:
+            module = cpu_kernels.kernel()
+            assert module is not None, "the tiles were packed by the built kernels"
+            rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            out = module.bf16_linear(rows if rows.stride(-1) == 1 else rows.contiguous(), self.tiles,
+                                     self.out_features, self.bias)
+            out = out.view(*x.shape[:-1], self.out_features)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.bias, "none", [], "")
         return self.parallel.all_reduce(out.to(self.out_dtype))
 
     def extra_repr(self) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 from engine.kernels import reference
 from engine.layers import cpu_kernels, cpu_paged_attention
 from engine.layers.attention import AttentionMetadata, TorchAttention
-from engine.layers.cpu_linear import PackedLinear, pack_cpu_linears
+from engine.layers.cpu_linear import PackedLinear, has_bf16_kernel, pack_cpu_linears
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tests.kernels.paged import TOLERANCE, int32, make_block_tables, make_cache, relative_error
 
@@ -93,6 +93,31 @@ def test_packed_half_linear_rounds_like_a_float32_accumulating_matmul(dtype: tor
     assert out.dtype == dtype
     # only the final rounding to 16 bits (half an ulp: 2^-9 relative for bf16) and float32 summation errors
     assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
+
+
+@pytest.mark.skipif(not has_bf16_kernel(), reason="no AVX512-BF16 here (or no compiler): bf16 layers take oneDNN")
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 300])  # the kernel's blocks of 8 rows, and their remainders
+@pytest.mark.parametrize(("in_features", "out_features"), [(96, 70), (576, 64)])  # a part tile of outputs; whole
+def test_bf16_tiles_are_a_float32_accumulating_bf16_matmul(rows: int, in_features: int, out_features: int) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, bias=rows % 2 == 1).to(torch.bfloat16)
+    packed = PackedLinear(linear, torch.bfloat16)
+    assert packed.tiles is not None and packed.packed is None
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    out = packed(x)
+    exact = F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # the final rounding to bf16 (half an ulp, 2^-9 relative) and float32 summation errors of |w| |x| summed
+    bound = exact.abs() * 2.0 ** -8 + 1e-5 * (x.double().abs() @ linear.weight.double().abs().T)
+    assert ((out.double() - exact).abs() <= bound).all()
+    # a batch of token rows [B, T, K] is the same product row by row
+    assert torch.equal(packed(x.view(1, rows, in_features))[0], out)
+
+
+@pytest.mark.skipif(not has_bf16_kernel(), reason="no AVX512-BF16 here (or no compiler)")
+def test_a_bf16_layer_with_an_odd_input_size_keeps_onednn() -> None:
+    packed = PackedLinear(nn.Linear(7, 4).to(torch.bfloat16), torch.bfloat16)
+    assert packed.tiles is None and packed.packed is not None
 
 
 class _Scaled(nn.Linear):
