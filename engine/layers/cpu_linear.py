@@ -9,7 +9,7 @@ rounded to bf16: a bf16 GEMM's arithmetic): SmolLM2-135M's linears of one decode
 rows it read bf16 weights at ~20 GB/s where the box streams 30-35, so on CPUs with AVX512-BF16 a bf16 layer runs
 engine/layers/cpu_linear.cpp instead: the same arithmetic (pairs of bf16 products summed into float32 by
 VDPBF16PS, the output rounded to bf16), 1.8x oneDNN's speed at 8 rows and equal to it at a 2048-token prefill,
-where both run at the cores' peak (bench/results/engine-speed-2026-12-05.md).
+where both run at the cores' peak (bench/results/engine-speed-2026-12-04-evening.md).
 
 float16 has no oneDNN path without AVX512-FP16 or AVX-NE-CONVERT: such a layer is packed as float32 (the weights
 widened once: fp16 values are exact in float32) and its input widened at the call, which is the arithmetic of a
