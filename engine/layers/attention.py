@@ -20,13 +20,14 @@ backend can treat them as one batched gather, and the rest (prefill chunks) one 
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_paged_attention, kv_fp8
+from engine.layers import cpu_kernels, cpu_paged_attention, kv_fp8
 from engine.layers.cpu_linear import HALF_TYPES, has_half_dot_product
 
 
@@ -87,8 +88,8 @@ def allowed_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window:
 
 class TorchAttention(AttentionBackend):
     """A clear implementation over the paged cache, checked against the einsum oracle (tests/unit/test_cpu_attention.py,
-    its decodes through the in-place CPU kernel where that is built); the reference the Triton kernels are checked
-    against."""
+    its decodes through the in-place CPU kernel where that is built; bf16 prefills on AVX512-BF16 through the prefill
+    kernel, tests/unit/test_cpu_prefill_attention.py); the reference the Triton kernels are checked against."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -152,7 +153,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       block_table: torch.Tensor, seq_len: int, scale: float,
                       sliding_window: int | None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of one sequence's last q.shape[0] tokens over its whole context. q: [Tq, Hq, D]."""
+    """Causal attention of one sequence's last q.shape[0] tokens over its whole context. q: [Tq, Hq, D]. On a CPU
+    with AVX512-BF16 and a bf16 model, the C++ kernel (engine/layers/cpu_prefill_attention.cpp) that reads K/V in
+    place; else a gather of the context and SDPA."""
+    if _prefill_kernel_serves(q, k_cache, v_cache, k_scale):
+        module = cpu_kernels.kernel()
+        assert module is not None, "_prefill_kernel_serves() says the kernel is built"
+        return module.paged_prefill_attention(q, k_cache, v_cache, block_table.to(torch.int32).contiguous(), seq_len,
+                                              scale, sliding_window or 0)
     num_queries = q.shape[0]
     dtype = attention_dtype(q)
     keys = gather_context(k_cache, block_table, seq_len, k_scale).to(dtype)
@@ -164,6 +172,25 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                                          values.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                          enable_gqa=True)
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+_PREFILL_KERNEL_HEAD_SIZES = (32, 64, 128, 256)  # those cpu_prefill_attention.cpp is instantiated for
+
+
+@functools.cache
+def _prefill_kernel_built() -> bool:
+    """Whether the prefill kernel runs here: the CPU has AVX512-BF16 and the build has the kernel."""
+    module = cpu_kernels.kernel()
+    return bool(torch.cpu._is_avx512_bf16_supported() and module is not None and module.prefill_attention_built())
+
+
+def _prefill_kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           k_scale: torch.Tensor | None) -> bool:
+    """Whether the C++ kernel computes this prefill: CPU, bf16 queries and a bf16 cache (an FP8 cache takes the torch
+    path), a head size it is built for, rows of contiguous values. Runs for every sequence of every layer: cheap."""
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
+            and v_cache.dtype == torch.bfloat16 and k_scale is None and q.shape[-1] in _PREFILL_KERNEL_HEAD_SIZES
+            and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and _prefill_kernel_built())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

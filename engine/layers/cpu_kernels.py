@@ -1,9 +1,11 @@
 """The CPU path's C++ kernels, built at first use into one extension, and the layer ops' Python side.
 
-Two sources: `cpu_paged_attention.cpp` (decode attention that reads K/V in place, engine/layers/cpu_paged_attention.py)
-and `cpu_layer_ops.cpp` (RMSNorm with the residual add, RoPE with the K/V store, SiLU-and-mul). Why the layer ops:
+The sources: `cpu_paged_attention.cpp` (decode attention that reads K/V in place, engine/layers/cpu_paged_attention.py),
+`cpu_layer_ops.cpp` (RMSNorm with the residual add, RoPE with the K/V store, SiLU-and-mul), `cpu_linear.cpp` (bf16
+linear layers on AVX512-BF16, engine/layers/cpu_linear.py) and `cpu_prefill_attention.cpp` (a prefill's attention
+over the paged cache on AVX512-BF16, engine/layers/attention.py: prefill_attention). Why the layer ops:
 in torch each is 4-12 small ops, ~45 us a call at batch 8 whatever the size, so a decode step of a 30-layer model
-spent ~9 ms of ~34 in them (bench/results/engine-speed-2026-12-05.md); one pass over the rows each costs a few us.
+spent ~9 ms of ~34 in them (bench/results/engine-speed-2026-12-04-evening.md); one pass over the rows costs a few us.
 Each op rounds where torch's eager ops round, so a 16-bit model's numbers stay those of transformers' eager math,
 but for RMSNorm's sum of squares and SiLU's exp, computed in another order than torch's: a value on a rounding
 boundary can come out one rounding apart. So float32, the parity dtype, fuses only RoPE + store, which are exact.
@@ -27,10 +29,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / name for name in ("cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_linear.cpp")]
+_SOURCES = [_DIR / name for name in ("cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_linear.cpp",
+                                      "cpu_prefill_attention.cpp")]
 _HEADERS = [_DIR / "cpu_vec.h"]
 _FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_and_store_kv", "silu_and_mul", "bf16_linear_built",
-              "pack_bf16_linear_weight", "bf16_linear"]
+              "pack_bf16_linear_weight", "bf16_linear", "prefill_attention_built", "paged_prefill_attention"]
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 # a build's lock older than this was left by a process killed while building (torch would wait on it forever)
