@@ -150,12 +150,12 @@ class Sampler:
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if not random_rows:
             # The common case, all greedy: one argmax over the batch.
-            sampled = processed.argmax(dim=-1)
+            sampled = _argmax(processed)
         else:
             sampled = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if greedy_rows:
                 greedy_index = to_device(greedy_rows, torch.long, logits.device)
-                sampled[greedy_index] = processed[greedy_index].argmax(dim=-1)
+                sampled[greedy_index] = _argmax(processed[greedy_index])
             # Advanced indexing copies, so the in-place steps of sample_random leave `processed` alone.
             random_index = to_device(random_rows, torch.long, logits.device)
             sampled[random_index] = sample_random(
@@ -375,3 +375,12 @@ def logprob_dicts(tensors: LogprobTensors) -> dict[int, PositionLogprobs]:
             position.setdefault(token_id, Logprob(value, rank))
         result[i] = position
     return result
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima). On the CPU a 16-bit row is widened first: torch's CPU argmax
+    over bf16 is ~4x slower than the widening copy and a float32 argmax together (5.7 vs 1.5 ms at 64 x 49152), and
+    widening is exact, so the index is the same."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim=-1)
