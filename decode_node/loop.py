@@ -364,7 +364,6 @@ class DecodeLoop:
 
 
 
-
 async def _get(events: asyncio.Queue[StepOutput | StreamEnd], deadline: float | None) -> StepOutput | StreamEnd:
     """The stream's next event; TimeoutError once the deadline (a time.time()) passes."""
     if deadline is None:
