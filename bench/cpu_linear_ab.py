@@ -27,11 +27,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,16,64,256,2048")
     args = parser.parse_args()
 
-    from engine.layers.cpu_kernels import kernel
-    from engine.layers.cpu_linear import has_bf16_kernel
+    from engine.layers.cpu_kernels import has_bf16_dot, kernel
 
     module = kernel()
-    if module is None or not has_bf16_kernel():
+    if module is None or not has_bf16_dot():
         sys.exit("this CPU has no AVX512-BF16 (or the kernels did not build): nothing to compare")
     torch.manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):

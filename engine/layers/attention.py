@@ -20,7 +20,6 @@ backend can treat them as one batched gather, and the rest (prefill chunks) one 
 from __future__ import annotations
 
 import abc
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -158,7 +157,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     place; else a gather of the context and SDPA."""
     if _prefill_kernel_serves(q, k_cache, v_cache, k_scale):
         module = cpu_kernels.kernel()
-        assert module is not None, "_prefill_kernel_serves() says the kernel is built"
+        assert module is not None, "_prefill_kernel_serves() says the kernels are built"
         return module.paged_prefill_attention(q, k_cache, v_cache, block_table.to(torch.int32).contiguous(), seq_len,
                                               scale, sliding_window or 0)
     num_queries = q.shape[0]
@@ -177,20 +176,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 _PREFILL_KERNEL_HEAD_SIZES = (32, 64, 128, 256)  # those cpu_prefill_attention.cpp is instantiated for
 
 
-@functools.cache
-def _prefill_kernel_built() -> bool:
-    """Whether the prefill kernel runs here: the CPU has AVX512-BF16 and the build has the kernel."""
-    module = cpu_kernels.kernel()
-    return bool(torch.cpu._is_avx512_bf16_supported() and module is not None and module.prefill_attention_built())
-
-
 def _prefill_kernel_serves(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            k_scale: torch.Tensor | None) -> bool:
     """Whether the C++ kernel computes this prefill: CPU, bf16 queries and a bf16 cache (an FP8 cache takes the torch
     path), a head size it is built for, rows of contiguous values. Runs for every sequence of every layer: cheap."""
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
             and v_cache.dtype == torch.bfloat16 and k_scale is None and q.shape[-1] in _PREFILL_KERNEL_HEAD_SIZES
-            and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and _prefill_kernel_built())
+            and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and cpu_kernels.has_bf16_dot())
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

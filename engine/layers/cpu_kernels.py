@@ -32,8 +32,8 @@ _DIR = Path(__file__).parent
 _SOURCES = [_DIR / name for name in ("cpu_paged_attention.cpp", "cpu_layer_ops.cpp", "cpu_linear.cpp",
                                       "cpu_prefill_attention.cpp")]
 _HEADERS = [_DIR / "cpu_vec.h"]
-_FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_and_store_kv", "silu_and_mul", "bf16_linear_built",
-              "pack_bf16_linear_weight", "bf16_linear", "prefill_attention_built", "paged_prefill_attention"]
+_FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_and_store_kv", "silu_and_mul", "bf16_kernels_usable",
+              "pack_bf16_linear_weight", "bf16_linear", "paged_prefill_attention"]
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 # a build's lock older than this was left by a process killed while building (torch would wait on it forever)
@@ -72,6 +72,14 @@ def kernel() -> ModuleType | None:
         logger.warning("the CPU kernels could not be built (%s); attention and the layers' small ops use torch",
                        str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
+
+
+@functools.cache
+def has_bf16_dot() -> bool:
+    """Whether the AVX512-BF16 kernels (bf16 linears, the bf16 decode walk, prefill attention) run here: the CPU has
+    the instructions and the kernels built. The C++ side asks the CPU once (cpu_vec.h: has_bf16_dot)."""
+    module = kernel()
+    return module is not None and bool(module.bf16_kernels_usable())
 
 
 def layer_ops_serve(x: torch.Tensor, float32: bool) -> bool:

@@ -11,20 +11,17 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define TANDEM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace bf16_tiles {
 
 constexpr int64_t kTile = 32;  // output features a tile
 constexpr int64_t kRows = 8;   // rows that share one pass over a tile
 
-#ifdef TANDEM_BF16_TARGET
+#ifdef TANDEM_AVX512_BF16
 // out[m][0..32) = x[m] . tile for `Rows` rows; x rows are `x_stride` bf16 apart, `pairs` = K / 2
 template <int Rows>
-TANDEM_BF16_TARGET void tile_product(const uint16_t* x, int64_t x_stride, const uint16_t* tile, int64_t pairs,
+TANDEM_AVX512_BF16 void tile_product(const uint16_t* x, int64_t x_stride, const uint16_t* tile, int64_t pairs,
                                      float* out) {
   __m512 acc[Rows][2];
 #pragma GCC unroll 8
@@ -48,7 +45,7 @@ TANDEM_BF16_TARGET void tile_product(const uint16_t* x, int64_t x_stride, const 
   }
 }
 
-TANDEM_BF16_TARGET void rows_product(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile,
+TANDEM_AVX512_BF16 void rows_product(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* tile,
                                      int64_t pairs, float* out) {
   switch (rows) {
     case 1: tile_product<1>(x, x_stride, tile, pairs, out); break;
@@ -63,7 +60,7 @@ TANDEM_BF16_TARGET void rows_product(int64_t rows, const uint16_t* x, int64_t x_
 }
 
 // float32 sums (+ bias) -> bf16, rounded to nearest even as a float32 -> bf16 cast is
-TANDEM_BF16_TARGET void store_row(const float* sums, const float* bias, int64_t count, uint16_t* out) {
+TANDEM_AVX512_BF16 void store_row(const float* sums, const float* bias, int64_t count, uint16_t* out) {
   if (count == kTile) {
     __m512 lo = _mm512_loadu_ps(sums), hi = _mm512_loadu_ps(sums + 16);
     if (bias != nullptr) {
@@ -82,14 +79,9 @@ TANDEM_BF16_TARGET void store_row(const float* sums, const float* bias, int64_t 
 
 }  // namespace bf16_tiles
 
-// Whether this build has the kernel (an x86-64 compiler that targets AVX512-BF16); the CPU must have it too.
-bool bf16_linear_built() {
-#ifdef TANDEM_BF16_TARGET
-  return true;
-#else
-  return false;
-#endif
-}
+// Whether the AVX512-BF16 kernels run here (this file's, the bf16 decode walk's, the prefill attention's): built for
+// that target (an AVX2 build on x86-64) and a CPU that has it.
+bool bf16_kernels_usable() { return tandem_vec::has_bf16_dot(); }
 
 // weight [N, K] bf16 (K even) -> tiles [ceil(N / 32), K / 2, 32, 2] bf16, output features past N zero
 at::Tensor pack_bf16_linear_weight(at::Tensor weight) {
@@ -104,7 +96,7 @@ at::Tensor pack_bf16_linear_weight(at::Tensor weight) {
 
 // x [M, K] bf16 (rows contiguous); tiles from pack_bf16_linear_weight; bias [N] float32 or none -> [M, N] bf16
 at::Tensor bf16_linear(at::Tensor x, at::Tensor tiles, int64_t out_features, c10::optional<at::Tensor> bias) {
-#ifdef TANDEM_BF16_TARGET
+#ifdef TANDEM_AVX512_BF16
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: [M, K] bf16, rows contiguous");
   TORCH_CHECK(tiles.dim() == 4 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() &&
               tiles.size(1) * 2 == x.size(1) && tiles.size(2) == bf16_tiles::kTile &&

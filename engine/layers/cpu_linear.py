@@ -50,13 +50,6 @@ def _packs(dtype: torch.dtype) -> torch.dtype | None:
     return None
 
 
-@functools.cache
-def has_bf16_kernel() -> bool:
-    """Whether bf16 layers run our AVX512-BF16 kernel here: the CPU has the instructions and the kernels built."""
-    module = cpu_kernels.kernel()
-    return bool(torch.cpu._is_avx512_bf16_supported() and module is not None and module.bf16_linear_built())
-
-
 class PackedLinear(nn.Module):
     """A linear layer (plain, column- or row-parallel) whose weight is held packed: as bf16 tiles for
     engine/layers/cpu_linear.cpp (a bf16 layer whose input size is even, on a CPU with AVX512-BF16), else in
@@ -73,9 +66,9 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.tiles: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
-        if compute_dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and has_bf16_kernel():
+        if compute_dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and cpu_kernels.has_bf16_dot():
             module = cpu_kernels.kernel()
-            assert module is not None, "has_bf16_kernel() says it is built"
+            assert module is not None, "has_bf16_dot() says it is built"
             self.tiles = module.pack_bf16_linear_weight(weight.to(torch.bfloat16))
             bias_dtype = torch.float32  # added to the float32 sums before they are rounded, as oneDNN does
         else:

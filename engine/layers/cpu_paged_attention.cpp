@@ -133,17 +133,31 @@ inline float exp_shifted(float* s, int64_t n, float top) {
   return total;
 }
 
-#ifndef AHEAD
-#define AHEAD 2
-#endif
-constexpr int64_t kAhead = AHEAD;
+// One block of an online softmax: s[0..count) become exp(s - the new running max), `top` (the running max) and
+// `total` (the running sum of exp) move to it; returns the factor the value sums so far are to be rescaled by.
+inline float softmax_step(float* s, int64_t count, float& top, float& total) {
+  const float new_top = std::max(top, *std::max_element(s, s + count));
+  const float alpha = std::exp(top - new_top);
+  top = new_top;
+  total = total * alpha + exp_shifted(s, count, new_top);
+  return alpha;
+}
+
+// Asks for one block's rows of a head (count tokens, token_stride elements apart, head_dim values each) ahead of
+// their use: a sequence's blocks lie anywhere in the pool, so without it every block starts with a wait on memory.
+// Locality as __builtin_prefetch's (3: into L1, 2: into L2).
+template <int Locality, typename T>
+inline void fetch_rows(const T* first_row, int64_t count, int64_t token_stride, int64_t head_dim) {
+  const char* start = reinterpret_cast<const char*>(first_row);
+  const int64_t bytes = ((count - 1) * token_stride + head_dim) * static_cast<int64_t>(sizeof(T));
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, 0, Locality);
+}
 
 template <typename T>
 void attend(const float* q, const T* k_cache, const T* v_cache, Strides ks, Strides vs, const int32_t* block_tables,
             const int32_t* seq_lens, float* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
             int64_t head_dim, int64_t block_size, int64_t table_width, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     // per query head of the group: its scores of one block, the running max and sum of exp, the value sums
     std::vector<float> scores(group * block_size), top(group), total(group), sums(group * head_dim);
@@ -170,15 +184,10 @@ void attend(const float* q, const T* k_cache, const T* v_cache, Strides ks, Stri
       for (int64_t block = first / block_size; block <= last_block; ++block) {
         const int64_t lo = std::max(first, block * block_size), hi = std::min(len, (block + 1) * block_size);
         const int64_t count = hi - lo;
-        // the sequence's next block lies anywhere in the pool: fetched while this one is computed, else every
-        // block starts with a wait on memory
-        if (block < last_block) {
-          const int64_t next_count = std::min(len, (block + 2) * block_size) - (block + 1) * block_size;
-          for (const auto& [cache, st] : {std::pair{k_cache, ks}, std::pair{v_cache, vs}}) {
-            const char* next = reinterpret_cast<const char*>(rows_of(cache, st, block + 1, (block + 1) * block_size));
-            const int64_t bytes = (next_count - 1) * st.token * static_cast<int64_t>(sizeof(T)) + row_bytes;
-            for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(next + offset);
-          }
+        if (block < last_block) {  // the next block, fetched while this one is computed
+          const int64_t next = block + 1, next_count = std::min(len, (next + 1) * block_size) - next * block_size;
+          fetch_rows<3>(rows_of(k_cache, ks, next, next * block_size), next_count, ks.token, head_dim);
+          fetch_rows<3>(rows_of(v_cache, vs, next, next * block_size), next_count, vs.token, head_dim);
         }
         int64_t k_stride = 0, v_stride = 0;
         const float* k_rows = float_rows(rows_of(k_cache, ks, block, lo), ks.token, count, head_dim, keys.data(), &k_stride);
@@ -188,11 +197,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, Strides ks, Stri
           for (int64_t i = 0; i < count; i += 4)
             score_four(queries + g * head_dim, k_rows + i * k_stride, k_stride, std::min<int64_t>(4, count - i),
                        head_dim, scale, s + i);
-          // online softmax: the sums so far are rescaled to the new running max
-          const float new_top = std::max(top[g], *std::max_element(s, s + count));
-          const float alpha = std::exp(top[g] - new_top);
-          top[g] = new_top;
-          total[g] = total[g] * alpha + exp_shifted(s, count, new_top);
+          const float alpha = softmax_step(s, count, top[g], total[g]);
           add_weighted_rows(alpha, s, v_rows, v_stride, count, head_dim, sums.data() + g * head_dim);
         }
       }
@@ -204,114 +209,105 @@ void attend(const float* q, const T* k_cache, const T* v_cache, Strides ks, Stri
   });
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define TANDEM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#ifdef TANDEM_AVX512_BF16
 
 // The same walk for a bf16 cache on CPUs with AVX512-BF16, for head sizes D = 16 * C with C even: a key's scores
 // take D / 32 VDPBF16PS per query head straight from the cache's bf16 values (the query rounded to bf16 is the
 // query itself: it came from bf16), four keys' lanes summed at once; the value sums are float32 FMAs sixteen wide,
 // held in registers across a block. About a third of the instructions of the AVX2 walk per key and head.
-// The block fetched ahead, and into L2 (prefetcht1): a sequence's blocks lie anywhere in the pool, and fetching the
-// next block into L1 left most of each block's wait on memory (SmolLM2 at batch 64: 1157 -> 966 us a layer).
+// Blocks are fetched two ahead into L2: fetching the next one into L1, as the AVX2 walk does, left most of each
+// block's wait on memory (SmolLM2 at batch 64: 1157 -> 966 us a layer).
 constexpr int64_t kFetchAhead = 2;
 // units [begin, end) of one thread (a lambda does not take the function's target, so the work is its own function)
 template <int C>
-TANDEM_BF16_TARGET void attend_bf16_units(int64_t begin, int64_t end, const float* q, const uint16_t* keys_base,
+TANDEM_AVX512_BF16 void attend_bf16_units(int64_t begin, int64_t end, const float* q, const uint16_t* keys_base,
                                           const uint16_t* values_base, Strides ks, Strides vs,
                                           const int32_t* block_tables, const int32_t* seq_lens, float* out,
                                           int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                                           int64_t table_width, float scale, int64_t window) {
   constexpr int64_t D = 16 * C;
   const int64_t group = num_heads / num_kv_heads;
-  {
-    std::vector<float> scores(group * block_size), top(group), total(group), sums(group * D);
-    std::vector<uint16_t> query(group * D);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b = unit / num_kv_heads, h = unit % num_kv_heads;
-      const int64_t len = seq_lens[b];
-      const int64_t first = (window > 0 && len > window) ? len - window : 0;
-      float* result = out + (b * num_heads + h * group) * D;
-      if (len - first <= 0) {
-        std::fill(result, result + group * D, 0.0f);
-        continue;
+  std::vector<float> scores(group * block_size), top(group), total(group), sums(group * D);
+  std::vector<uint16_t> query(group * D);
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t b = unit / num_kv_heads, h = unit % num_kv_heads;
+    const int64_t len = seq_lens[b];
+    const int64_t first = (window > 0 && len > window) ? len - window : 0;
+    float* result = out + (b * num_heads + h * group) * D;
+    if (len - first <= 0) {
+      std::fill(result, result + group * D, 0.0f);
+      continue;
+    }
+    const float* queries = q + (b * num_heads + h * group) * D;
+    for (int64_t i = 0; i < group * D; i += 32) {
+      const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(queries + i + 16), _mm512_loadu_ps(queries + i));
+      _mm512_storeu_si512(query.data() + i, (__m512i)pair);
+    }
+    std::fill(top.begin(), top.end(), -INFINITY);
+    std::fill(total.begin(), total.end(), 0.0f);
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    const int32_t* table = block_tables + b * table_width;
+    const int64_t last_block = (len - 1) / block_size;
+    for (int64_t block = first / block_size; block <= last_block; ++block) {
+      const int64_t lo = std::max(first, block * block_size), hi = std::min(len, (block + 1) * block_size);
+      const int64_t count = hi - lo, offset = lo - block * block_size;
+      if (block + kFetchAhead <= last_block) {  // a block ahead, fetched while this one is computed
+        const int64_t next = block + kFetchAhead;
+        const int64_t next_count = std::min(len, (next + 1) * block_size) - next * block_size;
+        fetch_rows<2>(keys_base + table[next] * ks.block + h * ks.head, next_count, ks.token, D);
+        fetch_rows<2>(values_base + table[next] * vs.block + h * vs.head, next_count, vs.token, D);
       }
-      const float* queries = q + (b * num_heads + h * group) * D;
-      for (int64_t i = 0; i < group * D; i += 32) {
-        const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(queries + i + 16), _mm512_loadu_ps(queries + i));
-        _mm512_storeu_si512(query.data() + i, (__m512i)pair);
-      }
-      std::fill(top.begin(), top.end(), -INFINITY);
-      std::fill(total.begin(), total.end(), 0.0f);
-      std::fill(sums.begin(), sums.end(), 0.0f);
-      const int32_t* table = block_tables + b * table_width;
-      const int64_t last_block = (len - 1) / block_size;
-      for (int64_t block = first / block_size; block <= last_block; ++block) {
-        const int64_t lo = std::max(first, block * block_size), hi = std::min(len, (block + 1) * block_size);
-        const int64_t count = hi - lo, offset = lo - block * block_size;
-        if (block + kFetchAhead <= last_block) {  // a block ahead, fetched while this one is computed
-          const int64_t nb = block + kFetchAhead;
-          const int64_t next_count = std::min(len, (nb + 1) * block_size) - nb * block_size;
-          const char* next_k = reinterpret_cast<const char*>(keys_base + table[nb] * ks.block + h * ks.head);
-          const char* next_v = reinterpret_cast<const char*>(values_base + table[nb] * vs.block + h * vs.head);
-          const int64_t k_bytes = ((next_count - 1) * ks.token + D) * 2, v_bytes = ((next_count - 1) * vs.token + D) * 2;
-          for (int64_t o = 0; o < k_bytes; o += 64) __builtin_prefetch(next_k + o, 0, 2);
-          for (int64_t o = 0; o < v_bytes; o += 64) __builtin_prefetch(next_v + o, 0, 2);
-        }
-        const uint16_t* key_rows = keys_base + table[block] * ks.block + h * ks.head + offset * ks.token;
-        const uint16_t* value_rows = values_base + table[block] * vs.block + h * vs.head + offset * vs.token;
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + g * block_size;
-          __m512bh qv[C / 2];
-#pragma GCC unroll 8
-          for (int c = 0; c < C / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(query.data() + g * D + 32 * c);
-          for (int64_t i = 0; i < count; i += 4) {
-            __m512 a[4];
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; ++j) {
-              const uint16_t* row = key_rows + std::min<int64_t>(i + j, count - 1) * ks.token;
-              a[j] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-              for (int c = 0; c < C / 2; ++c)
-                a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(row + 32 * c), qv[c]);
-            }
-            // each key's 16 lanes to 8, then the four keys' sums in one 128-bit vector
-            __m256 half[4];
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; ++j)
-              half[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm512_extractf32x8_ps(a[j], 1));
-            const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
-            const __m128 four = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)),
-                                           _mm_set1_ps(scale));
-            float done[4];
-            _mm_storeu_ps(done, four);
-            for (int64_t j = 0; j < std::min<int64_t>(4, count - i); ++j) s[i + j] = done[j];
-          }
-          const float new_top = std::max(top[g], *std::max_element(s, s + count));
-          const float alpha = std::exp(top[g] - new_top);
-          top[g] = new_top;
-          total[g] = total[g] * alpha + exp_shifted(s, count, new_top);
-          __m512 acc[C];
-          const __m512 rescale = _mm512_set1_ps(alpha);
-#pragma GCC unroll 8
-          for (int c = 0; c < C; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(sums.data() + g * D + 16 * c), rescale);
-          for (int64_t i = 0; i < count; ++i) {
-            const __m512 p = _mm512_set1_ps(s[i]);
-            const uint16_t* row = value_rows + i * vs.token;
-#pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) {
-              const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
-              const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-              acc[c] = _mm512_fmadd_ps(p, v, acc[c]);
-            }
-          }
-#pragma GCC unroll 8
-          for (int c = 0; c < C; ++c) _mm512_storeu_ps(sums.data() + g * D + 16 * c, acc[c]);
-        }
-      }
+      const uint16_t* key_rows = keys_base + table[block] * ks.block + h * ks.head + offset * ks.token;
+      const uint16_t* value_rows = values_base + table[block] * vs.block + h * vs.head + offset * vs.token;
       for (int64_t g = 0; g < group; ++g) {
-        const float inverse = 1.0f / total[g];
-        for (int64_t d = 0; d < D; ++d) result[g * D + d] = sums[g * D + d] * inverse;
+        float* s = scores.data() + g * block_size;
+        __m512bh qv[C / 2];
+#pragma GCC unroll 8
+        for (int c = 0; c < C / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(query.data() + g * D + 32 * c);
+        for (int64_t i = 0; i < count; i += 4) {
+          __m512 a[4];
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            const uint16_t* row = key_rows + std::min<int64_t>(i + j, count - 1) * ks.token;
+            a[j] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int c = 0; c < C / 2; ++c)
+              a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(row + 32 * c), qv[c]);
+          }
+          // each key's 16 lanes to 8, then the four keys' sums in one 128-bit vector
+          __m256 half[4];
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j)
+            half[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm512_extractf32x8_ps(a[j], 1));
+          const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+          const __m128 four = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)),
+                                         _mm_set1_ps(scale));
+          float done[4];
+          _mm_storeu_ps(done, four);
+          for (int64_t j = 0; j < std::min<int64_t>(4, count - i); ++j) s[i + j] = done[j];
+        }
+        const float alpha = softmax_step(s, count, top[g], total[g]);
+        __m512 acc[C];
+        const __m512 rescale = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(sums.data() + g * D + 16 * c), rescale);
+        for (int64_t i = 0; i < count; ++i) {
+          const __m512 p = _mm512_set1_ps(s[i]);
+          const uint16_t* row = value_rows + i * vs.token;
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) {
+            const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+            acc[c] = _mm512_fmadd_ps(p, v, acc[c]);
+          }
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(sums.data() + g * D + 16 * c, acc[c]);
       }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float inverse = 1.0f / total[g];
+      for (int64_t d = 0; d < D; ++d) result[g * D + d] = sums[g * D + d] * inverse;
     }
   }
 }
@@ -326,14 +322,6 @@ void attend_bf16(const float* q, const at::BFloat16* k_cache, const at::BFloat16
                          num_kv_heads, block_size, table_width, scale, window);
   });
 }
-
-// Whether the CPU has AVX512-BF16 (the build targets it per function; the CPU decides at run time).
-inline bool cpu_has_bf16_dot() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-}
-#else
-inline bool cpu_has_bf16_dot() { return false; }
 #endif
 
 }  // namespace paged_attention
@@ -362,9 +350,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
                             out.data_ptr<float>(), batch, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
                             static_cast<float>(scale), window);
   };
-#ifdef TANDEM_BF16_TARGET
+#ifdef TANDEM_AVX512_BF16
   if (k_cache.scalar_type() == at::kBFloat16 && (head_dim == 64 || head_dim == 128) &&
-      paged_attention::cpu_has_bf16_dot()) {
+      tandem_vec::has_bf16_dot()) {
     const paged_attention::Strides ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
     const paged_attention::Strides vs{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
     auto fn = head_dim == 64 ? paged_attention::attend_bf16<4> : paged_attention::attend_bf16<8>;

@@ -24,10 +24,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define TANDEM_PREFILL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace prefill_attention_kernel {
 
@@ -37,30 +34,10 @@ constexpr int64_t kSpan = kTile * kSpanTiles;
 constexpr int64_t kBlocksPerUnit = 8;  // row blocks a work unit
 constexpr int64_t kPackTiles = 4;       // key tiles a packing job
 
-#ifdef TANDEM_PREFILL_TARGET
-// exp of 16 floats (Cephes' single-precision polynomial, as tandem_vec::exp); inputs below -87 (masked keys' -inf)
-// give exactly 0
-TANDEM_PREFILL_TARGET inline __m512 exp16(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(exponent));
-}
-
+#ifdef TANDEM_AVX512_BF16
 // scores[m][n*16 + s] = scale * q_m . key s of tile n, for Rows rows and Tiles tiles; tiles: [Tiles][D/2][16] pairs
 template <int Rows, int Tiles>
-TANDEM_PREFILL_TARGET void scores(const uint16_t* const* q_rows, const uint32_t* tiles, int64_t pairs, float scale,
+TANDEM_AVX512_BF16 void scores(const uint16_t* const* q_rows, const uint32_t* tiles, int64_t pairs, float scale,
                                   float* out, int64_t out_stride) {
   __m512 acc[Rows][Tiles];
 #pragma GCC unroll 8
@@ -88,7 +65,7 @@ TANDEM_PREFILL_TARGET void scores(const uint16_t* const* q_rows, const uint32_t*
 }
 
 template <int Rows>
-TANDEM_PREFILL_TARGET void span_scores(const uint16_t* const* q_rows, const uint32_t* tiles, int64_t num_tiles,
+TANDEM_AVX512_BF16 void span_scores(const uint16_t* const* q_rows, const uint32_t* tiles, int64_t num_tiles,
                                        int64_t pairs, float scale, float* out, int64_t out_stride) {
   int64_t t = 0;
   for (; t + 4 <= num_tiles; t += 4)
@@ -97,7 +74,7 @@ TANDEM_PREFILL_TARGET void span_scores(const uint16_t* const* q_rows, const uint
     scores<Rows, 1>(q_rows, tiles + t * pairs * kTile, pairs, scale, out + t * kTile, out_stride);
 }
 
-TANDEM_PREFILL_TARGET void span_scores(int rows, const uint16_t* const* q_rows, const uint32_t* tiles,
+TANDEM_AVX512_BF16 void span_scores(int rows, const uint16_t* const* q_rows, const uint32_t* tiles,
                                        int64_t num_tiles, int64_t pairs, float scale, float* out, int64_t out_stride) {
   switch (rows) {
     case 1: span_scores<1>(q_rows, tiles, num_tiles, pairs, scale, out, out_stride); break;
@@ -111,7 +88,7 @@ TANDEM_PREFILL_TARGET void span_scores(int rows, const uint16_t* const* q_rows, 
 
 // out[m][0..D) += sum over key pairs j of P[m][2j..2j+1] . values[j][..][2], for Rows rows; Dims = D / 16
 template <int Dims, int Rows>
-TANDEM_PREFILL_TARGET void weighted_values(const uint32_t* probs, int64_t probs_stride, const uint16_t* values,
+TANDEM_AVX512_BF16 void weighted_values(const uint32_t* probs, int64_t probs_stride, const uint16_t* values,
                                            int64_t num_pairs, float* out) {
   constexpr int64_t D = Dims * 16;
   __m512 acc[Rows][Dims];
@@ -143,7 +120,7 @@ constexpr int block_rows() {
 }
 
 template <int Dims>
-TANDEM_PREFILL_TARGET void weighted_values(int rows, const uint32_t* probs, int64_t probs_stride,
+TANDEM_AVX512_BF16 void weighted_values(int rows, const uint32_t* probs, int64_t probs_stride,
                                            const uint16_t* values, int64_t num_pairs, float* out) {
   constexpr int R = block_rows<Dims>();
   static_assert(R >= 1 && R <= 6, "rows a block");
@@ -169,7 +146,7 @@ struct Problem {
 
 // one KV head's rows [first_row, end_row) (row r: query r / group, head kv_head * group + r % group)
 template <int Dims>
-TANDEM_PREFILL_TARGET void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, int64_t end_row) {
+TANDEM_AVX512_BF16 void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, int64_t end_row) {
   constexpr int64_t D = Dims * 16;
   constexpr int R = block_rows<Dims>();
   const int64_t pairs = D / 2;
@@ -219,7 +196,7 @@ TANDEM_PREFILL_TARGET void attend_rows(const Problem& pb, int64_t kv_head, int64
         const __m512 shift = _mm512_set1_ps(new_max);
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t k = 0; k < width; k += kTile) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + k), shift));
+          const __m512 e = tandem_vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + k), shift));
           vsum = _mm512_add_ps(vsum, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + k), (__m256i)_mm512_cvtneps_pbh(e));
         }
@@ -246,7 +223,7 @@ TANDEM_PREFILL_TARGET void attend_rows(const Problem& pb, int64_t kv_head, int64
   }
 }
 
-TANDEM_PREFILL_TARGET void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, int64_t end_row) {
+TANDEM_AVX512_BF16 void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, int64_t end_row) {
   switch (pb.head_dim) {
     case 32: attend_rows<2>(pb, kv_head, first_row, end_row); break;
     case 64: attend_rows<4>(pb, kv_head, first_row, end_row); break;
@@ -278,7 +255,7 @@ inline const uint16_t* token_row(const CacheView& cache, const int32_t* block_ta
 }
 
 // tile `tile` of one KV head: its 16 keys as [D/2][16] bf16 pairs, and its 8 value pairs as [D][2]
-TANDEM_PREFILL_TARGET void pack_tile(const CacheView& keys, const CacheView& values, const int32_t* block_table,
+TANDEM_AVX512_BF16 void pack_tile(const CacheView& keys, const CacheView& values, const int32_t* block_table,
                                      int64_t block_size, int64_t seq_len, int64_t head_dim, int64_t kv_head,
                                      int64_t tile, uint32_t* key_tile, uint16_t* value_tile) {
   const int64_t pairs = head_dim / 2;
@@ -316,21 +293,12 @@ TANDEM_PREFILL_TARGET void pack_tile(const CacheView& keys, const CacheView& val
 
 }  // namespace prefill_attention_kernel
 
-// Whether this build has the kernel (an x86-64 compiler that targets AVX512-BF16); the CPU must have it too.
-bool prefill_attention_built() {
-#ifdef TANDEM_PREFILL_TARGET
-  return true;
-#else
-  return false;
-#endif
-}
-
 // q [Tq, Hq, D] bf16: the last Tq of seq_len positions; k_cache, v_cache [num_blocks, block_size, Hkv, D] bf16 views
 // (D contiguous); block_table [>= ceil(seq_len / block_size)] int32; window > 0: key k visible to position p iff
 // p - k < window. Returns softmax(scale q K^T, causal) V as [Tq, Hq, D] bf16, computed in float32.
 at::Tensor paged_prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                                    int64_t seq_len, double scale, int64_t window) {
-#ifdef TANDEM_PREFILL_TARGET
+#ifdef TANDEM_AVX512_BF16
   namespace pa = prefill_attention_kernel;
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1, "q: [Tq, Hq, D] bf16");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&

@@ -13,6 +13,12 @@
 #define TANDEM_AVX2 1
 #endif
 
+// The AVX512-BF16 kernels (cpu_linear.cpp, cpu_paged_attention.cpp, cpu_prefill_attention.cpp) are compiled for this
+// target function by function, in any AVX2 build on x86-64, and run only where has_bf16_dot() says the CPU has it.
+#if defined(TANDEM_AVX2) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TANDEM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#endif
+
 namespace tandem_vec {
 
 // scalar: float32 <-> the tensor's type (c10's BFloat16 and Half round to nearest even, as torch's casts do)
@@ -72,8 +78,10 @@ inline V round_to<at::Half>(V x) {
   return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// exp of eight floats: Cephes' single-precision polynomial, within 2 ulp of expf (inputs clamped to [-87, 88])
+// exp of eight floats: Cephes' single-precision polynomial, within 2 ulp of expf; inputs above 88 are taken as 88,
+// inputs below -87 (a masked score's -inf) give exactly 0
 inline V exp(V x) {
+  const V live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
   const V k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -87,7 +95,7 @@ inline V exp(V x) {
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(exponent)), live);
 }
 
 // the eight lanes' sum, pairwise
@@ -96,6 +104,22 @@ inline float sum(V x) {
   const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)));
 }
+#endif
+
+#ifdef TANDEM_AVX512_BF16
+// exp of sixteen floats: the eight-wide exp on each half
+TANDEM_AVX512_BF16 inline __m512 exp16(__m512 x) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(exp(_mm512_castps512_ps256(x))),
+                            exp(_mm512_extractf32x8_ps(x, 1)), 1);
+}
+
+// whether this CPU runs the TANDEM_AVX512_BF16 code
+inline bool has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+#else
+inline bool has_bf16_dot() { return false; }
 #endif
 
 }  // namespace tandem_vec

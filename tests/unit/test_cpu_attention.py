@@ -16,7 +16,7 @@ from torch import nn
 from engine.kernels import reference
 from engine.layers import cpu_kernels, cpu_paged_attention
 from engine.layers.attention import AttentionMetadata, TorchAttention
-from engine.layers.cpu_linear import PackedLinear, has_bf16_kernel, pack_cpu_linears
+from engine.layers.cpu_linear import PackedLinear, pack_cpu_linears
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tests.kernels.paged import TOLERANCE, int32, make_block_tables, make_cache, relative_error
 
@@ -95,7 +95,7 @@ def test_packed_half_linear_rounds_like_a_float32_accumulating_matmul(dtype: tor
     assert ((out.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5).all()
 
 
-@pytest.mark.skipif(not has_bf16_kernel(), reason="no AVX512-BF16 here (or no compiler): bf16 layers take oneDNN")
+@pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="no AVX512-BF16 (or no compiler): bf16 layers take oneDNN")
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 300])  # the kernel's blocks of 8 rows, and their remainders
 @pytest.mark.parametrize(("in_features", "out_features"), [(96, 70), (576, 64)])  # a part tile of outputs; whole
 def test_bf16_tiles_are_a_float32_accumulating_bf16_matmul(rows: int, in_features: int, out_features: int) -> None:
@@ -114,7 +114,7 @@ def test_bf16_tiles_are_a_float32_accumulating_bf16_matmul(rows: int, in_feature
     assert torch.equal(packed(x.view(1, rows, in_features))[0], out)
 
 
-@pytest.mark.skipif(not has_bf16_kernel(), reason="no AVX512-BF16 here (or no compiler)")
+@pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="no AVX512-BF16 here (or no compiler)")
 def test_a_bf16_layer_with_an_odd_input_size_keeps_onednn() -> None:
     packed = PackedLinear(nn.Linear(7, 4).to(torch.bfloat16), torch.bfloat16)
     assert packed.tiles is None and packed.packed is not None
