@@ -214,12 +214,15 @@ void attend(const float* q, const T* k_cache, const T* v_cache, Strides ks, Stri
 // The same walk for a bf16 cache on CPUs with AVX512-BF16, for head sizes D = 16 * C with C even: a key's scores
 // take D / 32 VDPBF16PS per query head straight from the cache's bf16 values (the query rounded to bf16 is the
 // query itself: it came from bf16), four keys' lanes summed at once; the value sums are float32 FMAs sixteen wide,
-// held in registers across a block. About a third of the instructions of the AVX2 walk per key and head.
+// held in registers across a block. The query heads of a group go through a block S at a time: each key and value
+// row is loaded (and a value widened) once for the S heads, not once per head (SmolLM2's S = 3: a block takes about
+// two thirds of the instructions of one head at a time).
 // Blocks are fetched two ahead into L2: fetching the next one into L1, as the AVX2 walk does, left most of each
 // block's wait on memory (SmolLM2 at batch 64: 1157 -> 966 us a layer).
 constexpr int64_t kFetchAhead = 2;
-// units [begin, end) of one thread (a lambda does not take the function's target, so the work is its own function)
-template <int C>
+// units [begin, end) of one thread (a lambda does not take the function's target, so the work is its own function);
+// S query heads at a time, S dividing the group and S * C <= 16 (the value sums of S heads stay in registers)
+template <int C, int S>
 TANDEM_AVX512_BF16 void attend_bf16_units(int64_t begin, int64_t end, const float* q, const uint16_t* keys_base,
                                           const uint16_t* values_base, Strides ks, Strides vs,
                                           const int32_t* block_tables, const int32_t* seq_lens, float* out,
@@ -227,7 +230,8 @@ TANDEM_AVX512_BF16 void attend_bf16_units(int64_t begin, int64_t end, const floa
                                           int64_t table_width, float scale, int64_t window) {
   constexpr int64_t D = 16 * C;
   const int64_t group = num_heads / num_kv_heads;
-  std::vector<float> scores(group * block_size), top(group), total(group), sums(group * D);
+  const int64_t padded = (block_size + 3) / 4 * 4;  // scores are stored four at a time
+  std::vector<float> scores(S * padded), top(group), total(group), sums(group * D);
   std::vector<uint16_t> query(group * D);
   for (int64_t unit = begin; unit < end; ++unit) {
     const int64_t b = unit / num_kv_heads, h = unit % num_kv_heads;
@@ -259,50 +263,67 @@ TANDEM_AVX512_BF16 void attend_bf16_units(int64_t begin, int64_t end, const floa
       }
       const uint16_t* key_rows = keys_base + table[block] * ks.block + h * ks.head + offset * ks.token;
       const uint16_t* value_rows = values_base + table[block] * vs.block + h * vs.head + offset * vs.token;
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * block_size;
-        __m512bh qv[C / 2];
+      for (int64_t g0 = 0; g0 < group; g0 += S) {
+        __m512bh qv[S][C / 2];
+#pragma GCC unroll 4
+        for (int g = 0; g < S; ++g)
 #pragma GCC unroll 8
-        for (int c = 0; c < C / 2; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(query.data() + g * D + 32 * c);
+          for (int c = 0; c < C / 2; ++c)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512(query.data() + (g0 + g) * D + 32 * c);
         for (int64_t i = 0; i < count; i += 4) {
-          __m512 a[4];
+          __m512 a[S][4];
 #pragma GCC unroll 4
           for (int j = 0; j < 4; ++j) {
             const uint16_t* row = key_rows + std::min<int64_t>(i + j, count - 1) * ks.token;
-            a[j] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-            for (int c = 0; c < C / 2; ++c)
-              a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(row + 32 * c), qv[c]);
-          }
-          // each key's 16 lanes to 8, then the four keys' sums in one 128-bit vector
-          __m256 half[4];
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j)
-            half[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]), _mm512_extractf32x8_ps(a[j], 1));
-          const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
-          const __m128 four = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)),
-                                         _mm_set1_ps(scale));
-          float done[4];
-          _mm_storeu_ps(done, four);
-          for (int64_t j = 0; j < std::min<int64_t>(4, count - i); ++j) s[i + j] = done[j];
-        }
-        const float alpha = softmax_step(s, count, top[g], total[g]);
-        __m512 acc[C];
-        const __m512 rescale = _mm512_set1_ps(alpha);
+            for (int g = 0; g < S; ++g) a[g][j] = _mm512_setzero_ps();
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(sums.data() + g * D + 16 * c), rescale);
+            for (int c = 0; c < C / 2; ++c) {
+              const __m512bh key = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+#pragma GCC unroll 4
+              for (int g = 0; g < S; ++g) a[g][j] = _mm512_dpbf16_ps(a[g][j], key, qv[g][c]);
+            }
+          }
+#pragma GCC unroll 4
+          for (int g = 0; g < S; ++g) {
+            // each key's 16 lanes to 8, then the four keys' sums in one 128-bit vector
+            __m256 half[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j)
+              half[j] = _mm256_add_ps(_mm512_castps512_ps256(a[g][j]), _mm512_extractf32x8_ps(a[g][j], 1));
+            const __m256 pairs =
+                _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]), _mm256_hadd_ps(half[2], half[3]));
+            _mm_storeu_ps(scores.data() + g * padded + i,
+                          _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)),
+                                     _mm_set1_ps(scale)));
+          }
+        }
+        __m512 acc[S][C];
+#pragma GCC unroll 4
+        for (int g = 0; g < S; ++g) {
+          const __m512 rescale =
+              _mm512_set1_ps(softmax_step(scores.data() + g * padded, count, top[g0 + g], total[g0 + g]));
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c)
+            acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(sums.data() + (g0 + g) * D + 16 * c), rescale);
+        }
         for (int64_t i = 0; i < count; ++i) {
-          const __m512 p = _mm512_set1_ps(s[i]);
           const uint16_t* row = value_rows + i * vs.token;
+          __m512 p[S];
+#pragma GCC unroll 4
+          for (int g = 0; g < S; ++g) p[g] = _mm512_set1_ps(scores[g * padded + i]);
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) {
             const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
             const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-            acc[c] = _mm512_fmadd_ps(p, v, acc[c]);
+#pragma GCC unroll 4
+            for (int g = 0; g < S; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
           }
         }
+#pragma GCC unroll 4
+        for (int g = 0; g < S; ++g)
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(sums.data() + g * D + 16 * c, acc[c]);
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(sums.data() + (g0 + g) * D + 16 * c, acc[g][c]);
       }
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -312,15 +333,28 @@ TANDEM_AVX512_BF16 void attend_bf16_units(int64_t begin, int64_t end, const floa
   }
 }
 
-template <int C>
+template <int C, int S>
 void attend_bf16(const float* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache, Strides ks, Strides vs,
                  const int32_t* block_tables, const int32_t* seq_lens, float* out, int64_t batch, int64_t num_heads,
                  int64_t num_kv_heads, int64_t block_size, int64_t table_width, float scale, int64_t window) {
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    attend_bf16_units<C>(begin, end, q, reinterpret_cast<const uint16_t*>(k_cache),
-                         reinterpret_cast<const uint16_t*>(v_cache), ks, vs, block_tables, seq_lens, out, num_heads,
-                         num_kv_heads, block_size, table_width, scale, window);
+    attend_bf16_units<C, S>(begin, end, q, reinterpret_cast<const uint16_t*>(k_cache),
+                            reinterpret_cast<const uint16_t*>(v_cache), ks, vs, block_tables, seq_lens, out,
+                            num_heads, num_kv_heads, block_size, table_width, scale, window);
   });
+}
+
+using AttendBf16 = void (*)(const float*, const at::BFloat16*, const at::BFloat16*, Strides, Strides, const int32_t*,
+                            const int32_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
+
+// The walk for head size 16 * C and a group of `group` query heads: the most heads at a time that divide the group
+// and keep S * C <= 16 (a step of 4 for C = 4, 2 for C = 8)
+template <int C>
+AttendBf16 attend_bf16_for(int64_t group) {
+  if (C * 4 <= 16 && group % 4 == 0) return attend_bf16<C, (C * 4 <= 16 ? 4 : 1)>;
+  if (C * 3 <= 16 && group % 3 == 0) return attend_bf16<C, (C * 3 <= 16 ? 3 : 1)>;
+  if (group % 2 == 0) return attend_bf16<C, 2>;
+  return attend_bf16<C, 1>;
 }
 #endif
 
@@ -355,7 +389,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
       tandem_vec::has_bf16_dot()) {
     const paged_attention::Strides ks{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
     const paged_attention::Strides vs{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
-    auto fn = head_dim == 64 ? paged_attention::attend_bf16<4> : paged_attention::attend_bf16<8>;
+    const int64_t group = num_heads / num_kv_heads;
+    auto fn = head_dim == 64 ? paged_attention::attend_bf16_for<4>(group) : paged_attention::attend_bf16_for<8>(group);
     fn(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), ks, vs,
        tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), out.data_ptr<float>(), batch, num_heads, num_kv_heads,
        block_size, tables.size(1), static_cast<float>(scale), window);

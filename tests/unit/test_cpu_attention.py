@@ -144,7 +144,9 @@ def test_pack_cpu_linears_replaces_plain_and_parallel_linears_only() -> None:
 @pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
                     reason="no C++ compiler or ninja to build the CPU kernel with")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "sliding_window"), [(9, 3, None), (4, 4, 7)])
+# groups of 3 and 1 query heads, and 4 and 6, which the AVX512-BF16 walk takes several heads at a time
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "sliding_window"),
+                         [(9, 3, None), (4, 4, 7), (8, 2, None), (12, 2, 5)])
 # head sizes: 64 values held in registers, then 8 at a time (72), and a scalar tail (20); 64 and 128 also take the
 # AVX512-BF16 walk for a bf16 cache where the CPU has it; blocks of 4 and 16 tokens
 @pytest.mark.parametrize(("head_dim", "block_size"), [(16, 4), (72, 16), (20, 16), (64, 16), (128, 4)])
