@@ -13,6 +13,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from gemm_probe import time_ms  # this folder: the script's own directory is on the path
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -64,19 +65,6 @@ def tma_linear(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:
                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps,
                     num_stages=stages)
     return out32.to(torch.bfloat16) if split > 1 else out
-
-
-def time_ms(fn, weights: list[torch.Tensor], reps: int) -> float:
-    for w in weights[:2]:
-        fn(w)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(reps):
-        fn(weights[i % len(weights)])
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
