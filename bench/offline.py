@@ -22,11 +22,12 @@ import workload  # noqa: E402
 
 def run_tandem(model: str, dtype: str, num_prompts: int, prompt_len: int, output_len: int,
                max_num_batched_tokens: int, async_scheduling: bool | None = None,
-               load_format: str = "auto") -> dict[str, float]:
+               load_format: str = "auto", block_size: int | None = None) -> dict[str, float]:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=num_prompts, max_num_batched_tokens=max_num_batched_tokens,
-              skip_tokenizer_init=True, async_scheduling=async_scheduling, load_format=load_format)
+              skip_tokenizer_init=True, async_scheduling=async_scheduling, load_format=load_format,
+              **({} if block_size is None else {"block_size": block_size}))
     vocab = llm.engine.model_config.vocab_size
     prompts = workload.prompts(vocab, num_prompts, prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -62,11 +63,12 @@ def main() -> None:
     parser.add_argument("--peer", choices=["vllm"], default=None)
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (default: on a GPU, async)")
     parser.add_argument("--load-format", default="auto", help="dummy: random weights (a shape-only model directory)")
+    parser.add_argument("--block-size", type=int, default=None, help="Tandem's KV block size (default: the engine's)")
     args = parser.parse_args()
     shape = (args.model, args.dtype, args.num_prompts, args.prompt_len, args.output_len,
              args.max_num_batched_tokens)
     results = {"tandem": run_tandem(*shape, async_scheduling=False if args.sync else None,
-                                    load_format=args.load_format)}
+                                    load_format=args.load_format, block_size=args.block_size)}
     if args.peer == "vllm":
         results["vllm"] = run_peer(*shape)
     for name, r in results.items():
