@@ -7,8 +7,8 @@ batch 64 took 8% (SmolLM2's shape) to 25% (the 125M bench model's) less time, an
 (bench/results/engine-speed-2026-12-05.md).
 
 Most Linux hosts run transparent huge pages in "madvise" mode: only memory marked MADV_HUGEPAGE gets them, so
-the pool is marked before its first touch. Where the kernel has them off, or on another OS, the pool keeps
-ordinary pages; nothing else changes.
+the pools (16/32-bit and FP8) are marked before their first touch. Where the kernel has them off, or on another
+OS, a pool keeps ordinary pages; nothing else changes.
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return True
 
 
-def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor, on transparent huge pages where the kernel gives them."""
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed KV pool: on the host on transparent huge pages where the kernel gives them, on a GPU as it is."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     tensor = torch.empty(shape, dtype=dtype)
     advise_huge_pages(tensor)
     return tensor.zero_()

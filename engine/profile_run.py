@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.host_memory import host_zeros
+from engine.host_memory import pool_zeros
 from engine.layers import kv_fp8
 from engine.layers.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.model.llama import LlamaForCausalLM
@@ -38,9 +38,7 @@ def allocate_kv_pool(model_cfg: ModelConfig, num_blocks: int, block_size: int, d
         pool, views = kv_fp8.allocate_fp8_pool(num_blocks, c.num_layers, block_size, c.num_kv_heads, c.head_dim,
                                                device)
         return pool, [KVCacheLayer(*layer) for layer in views]
-    shape = (num_blocks, c.num_kv_heads, c.num_layers, 2, block_size, c.head_dim)
-    # on the host, huge pages: the decode kernel walks the pool a 4 KiB run per block (engine/host_memory.py)
-    storage = host_zeros(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+    storage = pool_zeros((num_blocks, c.num_kv_heads, c.num_layers, 2, block_size, c.head_dim), dtype, device)
     return storage, [KVCacheLayer(storage[:, :, i, 0].transpose(1, 2), storage[:, :, i, 1].transpose(1, 2))
                      for i in range(c.num_layers)]
 

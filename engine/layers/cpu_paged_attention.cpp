@@ -348,11 +348,15 @@ using AttendBf16 = void (*)(const float*, const at::BFloat16*, const at::BFloat1
                             const int32_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t);
 
 // The walk for head size 16 * C and a group of `group` query heads: the most heads at a time that divide the group
-// and keep S * C <= 16 (a step of 4 for C = 4, 2 for C = 8)
+// and keep S * C <= 16 (up to 4 for C = 4, up to 2 for C = 8)
 template <int C>
 AttendBf16 attend_bf16_for(int64_t group) {
-  if (C * 4 <= 16 && group % 4 == 0) return attend_bf16<C, (C * 4 <= 16 ? 4 : 1)>;
-  if (C * 3 <= 16 && group % 3 == 0) return attend_bf16<C, (C * 3 <= 16 ? 3 : 1)>;
+  if constexpr (C * 4 <= 16) {
+    if (group % 4 == 0) return attend_bf16<C, 4>;
+  }
+  if constexpr (C * 3 <= 16) {
+    if (group % 3 == 0) return attend_bf16<C, 3>;
+  }
   if (group % 2 == 0) return attend_bf16<C, 2>;
   return attend_bf16<C, 1>;
 }

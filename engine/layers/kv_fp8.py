@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.host_memory import pool_zeros
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_LAYOUT_NAME = "fp8_e4m3"  # the KV layout's dtype field (kvtransfer/handshake.py)
 FP8_MAX = 448.0
@@ -62,7 +64,7 @@ def allocate_fp8_pool(num_blocks: int, num_layers: int, block_size: int, num_kv_
                       ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """The pool and each layer's (k, v, k_scale, v_scale) views of it."""
     scale_offset, region_bytes = region_geometry(block_size, head_dim)
-    storage = torch.zeros((num_blocks, num_kv_heads, num_layers, 2, region_bytes), dtype=torch.uint8, device=device)
+    storage = pool_zeros((num_blocks, num_kv_heads, num_layers, 2, region_bytes), torch.uint8, device)
     return storage, [fp8_views(storage[:, :, layer], block_size, head_dim, scale_offset)
                      for layer in range(num_layers)]
 

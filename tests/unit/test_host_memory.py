@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.host_memory import advise_huge_pages, host_zeros, huge_page_bytes
+from engine.host_memory import advise_huge_pages, huge_page_bytes, pool_zeros
 from engine.profile_run import allocate_kv_pool
 from tests.fixtures.tiny_models import TinyModelFactory
 
@@ -52,10 +52,11 @@ def _aligned_start(tensor: torch.Tensor) -> int:
 
 
 @needs_thp
-def test_host_zeros_are_zeros_on_memory_marked_for_huge_pages() -> None:
+def test_pool_zeros_are_zeros_on_host_memory_marked_for_huge_pages() -> None:
     size = huge_page_bytes()
     assert size is not None
-    tensor = host_zeros((3 * size // 2,), torch.bfloat16)  # three huge pages of bytes: at least one wholly inside
+    # three huge pages of bytes: at least one wholly inside
+    tensor = pool_zeros((3 * size // 2,), torch.bfloat16, "cpu")
     assert tensor.shape == (3 * size // 2,) and tensor.dtype == torch.bfloat16
     assert not tensor.any()
     fields = _mapping_fields(_aligned_start(tensor))
@@ -65,10 +66,11 @@ def test_host_zeros_are_zeros_on_memory_marked_for_huge_pages() -> None:
 
 
 @needs_thp
-def test_the_cpu_kv_pool_is_marked_for_huge_pages(tiny_model: TinyModelFactory) -> None:
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_cpu_kv_pools_are_marked_for_huge_pages(tiny_model: TinyModelFactory, fp8: bool) -> None:
     cfg = ModelConfig.from_path(tiny_model("llama"))
-    storage, layers = allocate_kv_pool(cfg, num_blocks=1024, block_size=16, dtype=torch.bfloat16,
-                                       device=torch.device("cpu"))
+    storage, layers = allocate_kv_pool(cfg, num_blocks=4096, block_size=16, dtype=torch.bfloat16,
+                                       device=torch.device("cpu"), fp8=fp8)
     assert storage.nbytes >= 2 * huge_page_bytes()  # type: ignore[operator]
     assert not storage.any() and len(layers) == cfg.num_layers
     fields = _mapping_fields(_aligned_start(storage))
