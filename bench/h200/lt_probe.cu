@@ -4,7 +4,8 @@
 // Answers whether a cuBLASLt configuration beats the one torch's F.linear gets at M = 256. Written 2026-12-04, not yet
 // run: no device was lent in the two sessions since (first run may need fixes).
 //
-//   nvcc -O2 -std=c++17 -o /tmp/lt_probe bench/h200/lt_probe.cu -lcublasLt && /tmp/lt_probe 256 8448
+//   nvcc -O2 -std=c++17 -o /tmp/lt_probe bench/h200/lt_probe.cu -lcublasLt && /tmp/lt_probe [--all] 256 8448
+// (--all: also every algorithm id x tile x stages x cluster shape x split-K that cublasLtMatmulAlgoCheck accepts)
 // (without the CUDA toolkit's cuBLAS headers, take them from the nvidia_cublas wheel: unzip it into /tmp/cublas, link
 // libcublasLt.so to its .so.13 and add -I/tmp/cublas/nvidia/cu13/include -L/tmp/cublas/nvidia/cu13/lib; it compiles
 // so on the CPU box with nvcc 13.0)
@@ -16,8 +17,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CHECK_CUDA(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
@@ -43,9 +46,21 @@ static T attr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribut
   return value;
 }
 
+template <typename T>
+static T attr_cap(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t which) {
+  T value{};
+  size_t written = 0;
+  cublasLtMatmulAlgoCapGetAttribute(&algo, which, &value, sizeof(value), &written);
+  return value;
+}
+
 int main(int argc, char** argv) {
   std::vector<int> batches;
-  for (int i = 1; i < argc; ++i) batches.push_back(std::atoi(argv[i]));
+  bool exhaustive = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--all") exhaustive = true;
+    else batches.push_back(std::atoi(argv[i]));
+  }
   if (batches.empty()) batches.push_back(256);
   const Shape shapes[] = {{"qkv", 6144, 4096}, {"o_proj", 4096, 4096}, {"gate_up", 28672, 4096},
                           {"down", 4096, 14336}, {"lm_head", 128256, 4096}};
@@ -97,7 +112,7 @@ int main(int argc, char** argv) {
 
       struct Timed { double us; int rank; int splitk; cublasLtMatmulAlgo_t algo; };
       std::vector<Timed> timed;
-      auto time_algo = [&](const cublasLtMatmulAlgo_t& algo) -> double {
+      auto time_algo = [&](const cublasLtMatmulAlgo_t& algo, int count) -> double {
         cublasLtMatmulHeuristicResult_t check{};
         if (cublasLtMatmulAlgoCheck(lt, desc, a_layout, b_layout, d_layout, d_layout, &algo, &check) !=
             CUBLAS_STATUS_SUCCESS || check.workspaceSize > workspace_bytes)
@@ -107,14 +122,14 @@ int main(int argc, char** argv) {
                              out, d_layout, &algo, workspace, workspace_bytes, stream) != CUBLAS_STATUS_SUCCESS)
             return -1.0;
         cudaEventRecord(start, stream);
-        for (int i = 0; i < reps; ++i)
+        for (int i = 0; i < count; ++i)
           cublasLtMatmul(lt, desc, &alpha, weights[i % copies], a_layout, x, b_layout, &beta, out, d_layout, out,
                          d_layout, &algo, workspace, workspace_bytes, stream);
         cudaEventRecord(end, stream);
         cudaEventSynchronize(end);
         float ms = 0;
         cudaEventElapsedTime(&ms, start, end);
-        return ms * 1e3 / reps;
+        return ms * 1e3 / count;
       };
       for (int r = 0; r < returned; ++r) {
         if (found[r].state != CUBLAS_STATUS_SUCCESS) continue;
@@ -131,8 +146,69 @@ int main(int argc, char** argv) {
                                                    sizeof(scheme));
             }
           }
-          const double us = time_algo(algo);
+          const double us = time_algo(algo, reps);
           if (us > 0) timed.push_back({us, r, split > 0 ? split : base_split, algo});
+        }
+      }
+      // Beyond the heuristic: every algorithm id x its tiles x its stages x a few cluster shapes x split-K, each
+      // checked by cublasLtMatmulAlgoCheck, timed briefly, and the best few timed again at full length.
+      if (exhaustive) {
+        std::vector<int> ids(256);
+        int num_ids = 0;
+        CHECK_LT(cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF,
+                                          CUDA_R_16BF, (int)ids.size(), ids.data(), &num_ids));
+        std::vector<Timed> quick;
+        int checked = 0;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(40);
+        for (int a = 0; a < num_ids; ++a) {
+          cublasLtMatmulAlgo_t algo;
+          if (cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF,
+                                     CUDA_R_16BF, ids[a], &algo) != CUBLAS_STATUS_SUCCESS)
+            continue;
+          auto cap_list = [&](cublasLtMatmulAlgoCapAttributes_t which) {
+            size_t bytes = 0;
+            cublasLtMatmulAlgoCapGetAttribute(&algo, which, nullptr, 0, &bytes);
+            std::vector<uint32_t> values(bytes / sizeof(uint32_t));
+            if (!values.empty())
+              cublasLtMatmulAlgoCapGetAttribute(&algo, which, values.data(), bytes, &bytes);
+            if (values.empty()) values.push_back(0);
+            return values;
+          };
+          const std::vector<uint32_t> tiles = cap_list(CUBLASLT_ALGO_CAP_TILE_IDS);
+          const std::vector<uint32_t> stages = cap_list(CUBLASLT_ALGO_CAP_STAGES_IDS);
+          const int splitk_ok = attr_cap<int>(algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT);
+          for (uint32_t tile : tiles)
+            for (uint32_t stage : stages)
+              for (uint32_t cluster : {0u, 2u, 3u, 5u})
+                for (int split : {1, 2, 3, 4, 6})
+                  for (uint32_t swizzle : {0u, 1u}) {
+                    if (split > 1 && !splitk_ok) continue;
+                    if (std::chrono::steady_clock::now() > deadline) continue;  // a budget per shape
+                    cublasLtMatmulAlgo_t c = algo;
+                    cublasLtMatmulAlgoConfigSetAttribute(&c, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile));
+                    cublasLtMatmulAlgoConfigSetAttribute(&c, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stage, sizeof(stage));
+                    cublasLtMatmulAlgoConfigSetAttribute(&c, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster,
+                                                         sizeof(cluster));
+                    cublasLtMatmulAlgoConfigSetAttribute(&c, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split, sizeof(split));
+                    uint32_t scheme = split > 1 ? CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE : CUBLASLT_REDUCTION_SCHEME_NONE;
+                    cublasLtMatmulAlgoConfigSetAttribute(&c, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                                         sizeof(scheme));
+                    cublasLtMatmulAlgoConfigSetAttribute(&c, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle,
+                                                         sizeof(swizzle));
+                    ++checked;
+                    const double us = time_algo(c, 8);
+                    if (us > 0) quick.push_back({us, -1, split, c});
+                  }
+        }
+        cudaGetLastError();  // a rejected launch leaves its error behind; the timings above skip those
+        std::sort(quick.begin(), quick.end(), [](const Timed& a, const Timed& b) { return a.us < b.us; });
+        std::printf("M=%d %s: exhaustive: %d algorithm ids, %d configurations tried, %zu ran%s\n", m, s.name,
+                    num_ids, checked, quick.size(),
+                    std::chrono::steady_clock::now() > deadline ? " (stopped at its 40 s budget)" : "");
+        for (size_t i = 0; i < quick.size() && i < 12; ++i) {
+          Timed t = quick[i];
+          t.us = time_algo(t.algo, reps);
+          if (t.us > 0) timed.push_back(t);
         }
       }
       CHECK_CUDA(cudaGetLastError());
@@ -143,7 +219,7 @@ int main(int argc, char** argv) {
       for (const Timed& t : timed)
         if (t.rank == 0) { first = t.us; break; }
       std::sort(timed.begin(), timed.end(), [](const Timed& a, const Timed& b) { return a.us < b.us; });
-      for (size_t i = 0; i < timed.size() && i < 6; ++i) {
+      for (size_t i = 0; i < timed.size() && i < 8; ++i) {
         const Timed& t = timed[i];
         std::printf("  %7.1f us %4.0f TFLOP/s  heuristic #%d algo %d tile %d stages %d splitK %d reduction %u "
                     "swizzle %u cluster %u inner %u\n",
