@@ -1,6 +1,9 @@
 """Offline throughput: 64 prompts x 256 random tokens in, 128 out, greedy, ignore_eos.
 
     python bench/offline.py --model DIR [--dtype float32|bfloat16] [--load-format dummy] [--sync] [--peer vllm]
+                            [--temperature T --top-p P --top-k K]
+
+With --temperature > 0 every request samples with that top_p / top_k, as a chat client's requests do.
 
 Prints output tokens/s for Tandem's engine. With --peer vllm it then runs the same workload through vLLM in
 its own virtualenv (VLLM_PYTHON, default /work/vllm-venv/bin/python) and prints both, measured back to back.
@@ -19,10 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workload  # noqa: E402
 
+GREEDY = {"temperature": 0.0}
+
 
 def run_tandem(model: str, dtype: str, num_prompts: int, prompt_len: int, output_len: int,
                max_num_batched_tokens: int, async_scheduling: bool | None = None,
-               load_format: str = "auto", block_size: int | None = None) -> dict[str, float]:
+               load_format: str = "auto", block_size: int | None = None,
+               sampling: dict[str, float] | None = None) -> dict[str, float]:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_num_seqs=num_prompts, max_num_batched_tokens=max_num_batched_tokens,
@@ -30,7 +36,7 @@ def run_tandem(model: str, dtype: str, num_prompts: int, prompt_len: int, output
               **({} if block_size is None else {"block_size": block_size}))
     vocab = llm.engine.model_config.vocab_size
     prompts = workload.prompts(vocab, num_prompts, prompt_len)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, **(sampling or GREEDY))
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -41,12 +47,13 @@ def run_tandem(model: str, dtype: str, num_prompts: int, prompt_len: int, output
 
 
 def run_peer(model: str, dtype: str, num_prompts: int, prompt_len: int, output_len: int,
-             max_num_batched_tokens: int) -> dict[str, float]:
+             max_num_batched_tokens: int, sampling: dict[str, float] | None = None) -> dict[str, float]:
     python = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
     script = Path(__file__).resolve().parent / "vllm_offline.py"
     cmd = [python, str(script), "--model", model, "--dtype", dtype, "--num-prompts", str(num_prompts),
            "--prompt-len", str(prompt_len), "--output-len", str(output_len),
-           "--max-num-batched-tokens", str(max_num_batched_tokens)]
+           "--max-num-batched-tokens", str(max_num_batched_tokens),
+           "--sampling", json.dumps(sampling or GREEDY)]
     result = subprocess.run(cmd, check=True, capture_output=True, text=True)
     # vLLM logs to stdout too: the result is the last JSON line
     return json.loads(next(line for line in reversed(result.stdout.splitlines()) if line.startswith("{")))
@@ -64,13 +71,18 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (default: on a GPU, async)")
     parser.add_argument("--load-format", default="auto", help="dummy: random weights (a shape-only model directory)")
     parser.add_argument("--block-size", type=int, default=None, help="Tandem's KV block size (default: the engine's)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: every request samples")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     args = parser.parse_args()
+    sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+                if args.temperature > 0 else GREEDY)
     shape = (args.model, args.dtype, args.num_prompts, args.prompt_len, args.output_len,
              args.max_num_batched_tokens)
     results = {"tandem": run_tandem(*shape, async_scheduling=False if args.sync else None,
-                                    load_format=args.load_format, block_size=args.block_size)}
+                                    load_format=args.load_format, block_size=args.block_size, sampling=sampling)}
     if args.peer == "vllm":
-        results["vllm"] = run_peer(*shape)
+        results["vllm"] = run_peer(*shape, sampling=sampling)
     for name, r in results.items():
         print(f"{name:8s} {r['output_tokens_per_s']:9.1f} output tok/s  "
               f"({r['output_tokens']} tokens in {r['seconds']:.2f} s)")

@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=workload.PROMPT_LEN)
     parser.add_argument("--output-len", type=int, default=workload.OUTPUT_LEN)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--sampling", default='{"temperature": 0.0}', help="SamplingParams keywords, as JSON")
     args = parser.parse_args()
 
     from transformers import AutoConfig
@@ -34,7 +35,8 @@ def main() -> None:
               gpu_memory_utilization=0.5)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts(vocab, args.num_prompts,
                                                                            args.prompt_len)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, detokenize=False,
+                            **json.loads(args.sampling))
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
