@@ -8,8 +8,8 @@ For each row, in order:
  2. min_tokens: eos and stop_token_ids are set to -inf while the output is shorter than min_tokens;
  3. penalties: repetition (tokens of prompt + output), then frequency and presence (output tokens only);
  4. greedy rows take the argmax;
- 5. random rows: temperature, min_p, top_k, top_p, then the inverse transform of one uniform number that the
-    row's seed gives.
+ 5. random rows: temperature, min_p, top_k, top_p (engine/truncation.py), then the inverse transform of one
+    uniform number that the row's seed gives.
 
 min_p runs before top_k/top_p, as in vLLM v1 (it is one of its argmax-invariant logits processors, applied
 right after temperature). The order matters only with top_p: min_p compares each probability to the
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.truncation import apply_min_p, apply_top_k_top_p
 from engine.types import Logprob, PositionLogprobs, SamplingParams
 
 
@@ -279,12 +280,12 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     logits.div_(temperature.unsqueeze(1))
     min_p = [row.params.min_p for row in rows]
     if any(p > 0 for p in min_p):
-        apply_min_p(logits, min_p)
+        apply_min_p(logits, to_device(min_p, torch.float32, device))
     top_k = [row.params.top_k for row in rows]
     top_p = [row.params.top_p for row in rows]
     vocab_size = logits.shape[1]
     if any(0 < k < vocab_size for k in top_k) or any(p < 1 for p in top_p):
-        apply_top_k_top_p(logits, top_k, top_p)
+        apply_top_k_top_p(logits, to_device(top_k, torch.long, device), to_device(top_p, torch.float32, device))
     probs = logits.softmax(dim=-1)
     # Inverse transform: the row's seed, mixed once more (a caller's seed need not be a noise_seed), gives a
     # uniform u in [0, 1), and the sampled token is the first whose cumulative probability exceeds u x the
@@ -302,31 +303,6 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     # a row whose probabilities are not numbers (logits of inf, say) finds no such token: it gets the last id,
     # never one past the vocabulary
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(vocab_size - 1)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:
-    """Masks tokens whose probability is below min_p times the row's largest. logits: [num_rows, vocab]."""
-    probs = logits.softmax(dim=-1)
-    min_p_t = to_device(min_p, torch.float32, logits.device).unsqueeze(1)
-    logits.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p_t, -math.inf)
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> None:
-    """Masks, per row, all but the top_k logits (ties with the k-th stay, as in vLLM), then all but the
-    smallest set of the rest whose probability sums to at least top_p. top_k 0 and top_p 1 disable."""
-    num_rows, vocab_size = logits.shape
-    device = logits.device
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    k = to_device([k if 0 < k < vocab_size else vocab_size for k in top_k], torch.long, device)
-    kth_logit = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-    sorted_logits.masked_fill_(sorted_logits < kth_logit, -math.inf)
-    # top_p 1 becomes inf: rounding could push the cumulative sum to 1 before the tail and drop it.
-    p = to_device([p if p < 1 else math.inf for p in top_p], torch.float32, device)
-    probs = sorted_logits.softmax(dim=-1)
-    # A token stays while the mass strictly before it is below top_p; the top token always stays (mass 0).
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits.masked_fill_(mass_before >= p.unsqueeze(1), -math.inf)
-    logits.scatter_(1, sorted_ids, sorted_logits)
 
 
 def gather_logprobs(
