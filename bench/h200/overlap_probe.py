@@ -84,14 +84,14 @@ class Layer:
                 event = torch.cuda.Event()
                 event.record(main)
                 qkv_done.append(event)
-            for rows, event in zip(chunks, qkv_done):
+            for rows, event in zip(chunks, qkv_done, strict=True):
                 side.wait_event(event)
                 with torch.cuda.stream(side):
                     self.attention(rows)
                 done = torch.cuda.Event()
                 done.record(side)
                 attn_done.append(done)
-            for rows, done in zip(chunks, attn_done):
+            for rows, done in zip(chunks, attn_done, strict=True):
                 main.wait_event(done)
                 torch.matmul(self.attn[rows].view(step, -1), w["o"].t(), out=self.h[rows])
             self.mlp(w)
