@@ -128,20 +128,20 @@ class ModelRunner:
                                        -(-max_model_len // self.block_size), self.sliding_window,
                                        padding_slot=self.num_blocks * self.block_size)
         if self.device.type == "cuda":
-            self._warm_up(min(cfg.max_num_batched_tokens, max_model_len))
+            self._warm_up(min(cfg.max_num_batched_tokens, max_model_len), cfg.max_num_batched_tokens)
         else:
             cpu_kernels.kernel()  # built (or found built) now, not inside a request's first step
         logger.info("model %s on %s in %s, %d KV blocks of %d tokens (%s)", model_cfg.architecture, self.device,
                     self.dtype, self.num_blocks, self.block_size, self.kv_cache_dtype)
 
-    def _warm_up(self, max_prompt_tokens: int) -> None:
+    def _warm_up(self, max_prompt_tokens: int, max_step_tokens: int) -> None:
         """So that no request pays for a kernel compilation or a library's plan (over a second each, inside a
         step): one eager step of two decodes and a short prompt (the attention kernels outside the graphs, the
         sampler), and the dense attention of every prompt length one step can hold."""
         run_dummy_step(self.model, self.backend, self.pool_cfg, self.block_size, self.dtype, self.device, [1, 1, 33],
                        num_sampled=3, fp8_kv=self.fp8_kv)
         self.backend.warm_up(self.head_split.num_q_heads, self.head_split.num_kv_heads, self.model_cfg.head_dim,
-                             self.dtype, self.device, max_prompt_tokens)
+                             self.dtype, self.device, max_prompt_tokens, max_step_tokens)
         torch.cuda.synchronize(self.device)
 
     @property

@@ -77,7 +77,7 @@ def main() -> None:
         print(f"\n## {label}: wall {wall * 1e3:.1f} ms (profiled), kernels {total / 1e3:.1f} ms, "
               f"matmul floor {floor * 1e3:.1f} ms ({flops / 1e12:.0f} TFLOP/s)")
         print("| ms | % | launches | kernel |\n|---|---|---|---|")
-        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:18]:
+        for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:30]:
             print(f"| {us / 1e3:.2f} | {100 * us / total:.1f} | {counts[name]} | {name[:110]} |")
         add_prompts(args.prompts)  # the same step again, unprofiled
         torch.cuda.synchronize()

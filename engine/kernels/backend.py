@@ -22,6 +22,11 @@ DENSE_PREFILL_MIN_TOKENS = 1024
 # dense prompts are padded at the end to a multiple of this, so a server plans a bounded set of lengths, all at
 # start-up (TritonAttention.warm_up). Under the causal mask the real rows never see the padding keys.
 DENSE_LENGTH_BUCKET = 256
+# Fresh prompts of one length (a multiple of the bucket) side by side in a step are attended in one call, in
+# batches of 2, 4, 8... sequences up to this many tokens: one call per prompt ran at 63-256 TFLOP/s for 8 x 1024 to
+# 4 x 2048 tokens on the H200 (its launches and the copies around it), one call for all at 391-477
+# (bench/h200/dense_batch_probe.py). Powers of two bound the shapes warm_up plans to ~2 per length.
+DENSE_BATCH_MAX_TOKENS = 8192
 _DENSE_DTYPES = (torch.bfloat16, torch.float16)
 _DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                    SDPBackend.MATH]
@@ -54,45 +59,66 @@ class TritonAttention(AttentionBackend):
         dense_from = self._dense_from(q, meta)
         starts = meta.query_start_loc_host
 
-        def is_dense(b: int) -> bool:  # a fresh prompt (its whole context is new) long enough for SDPA
-            num_queries = starts[b + 1] - starts[b]
-            return bool(dense_from) and num_queries == meta.seq_lens_host[b] and num_queries >= dense_from
+        def dense_batch(b: int) -> int:
+            """How many fresh prompts from b on are attended in one dense call (0: b is not a dense prompt)."""
+            length = starts[b + 1] - starts[b]
+            if not dense_from or length != meta.seq_lens_host[b] or length < dense_from:
+                return 0
+            batch = 1
+            while (b + 2 * batch <= meta.num_seqs and 2 * batch * length <= DENSE_BATCH_MAX_TOKENS
+                   and dense_length(length) == length
+                   and all(starts[c + 1] - starts[c] == length == meta.seq_lens_host[c]
+                           for c in range(b + batch, b + 2 * batch))):
+                batch *= 2
+            return batch
 
-        if meta.num_seqs == 1 and not num_decodes and is_dense(0):
-            # one fresh prompt is the whole step (a long prompt usually is): its result is the output, no copy
-            return dense_causal_attention(q, k, v, scale)
-        out = torch.empty_like(q)
+        out: torch.Tensor | None = None
         if num_decodes:
+            out = torch.empty_like(q)
             self._decode(q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
                          meta.seq_lens[:num_decodes], scale, meta.sliding_window, out=out[:num_decodes],
                          k_scale=k_scale, v_scale=v_scale)
-        if meta.num_seqs > num_decodes:
-            paged_query_lens = []
-            for b in range(num_decodes, meta.num_seqs):
-                rows = slice(starts[b], starts[b + 1])
-                if is_dense(b):
-                    out[rows] = dense_causal_attention(q[rows], k[rows], v[rows], scale)
-                else:
-                    paged_query_lens.append(rows.stop - rows.start)
-            if paged_query_lens:
-                # the prefill kernel indexes q and out by query_start_loc itself: the decode rows and the
-                # densely attended prompts' rows stay untouched
-                self._prefill(q, k_cache, v_cache, meta.block_tables[num_decodes:],
-                              meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
-                              meta.sliding_window, out=out, max_query_len=max(paged_query_lens),
-                              dense_from=dense_from, k_scale=k_scale, v_scale=v_scale)
+        paged_query_lens = []
+        b = num_decodes
+        while b < meta.num_seqs:
+            batch = dense_batch(b)
+            if not batch:
+                paged_query_lens.append(starts[b + 1] - starts[b])
+                b += 1
+                continue
+            rows = slice(starts[b], starts[b + batch])
+            result = dense_causal_attention(q[rows], k[rows], v[rows], scale, batch)
+            if rows.start == 0 and rows.stop == q.shape[0]:
+                return result  # the step is these prompts (a long prompt usually is): no copy
+            if out is None:
+                out = torch.empty_like(q)
+            out[rows] = result
+            b += batch
+        if out is None:
+            out = torch.empty_like(q)
+        if paged_query_lens:
+            # the prefill kernel indexes q and out by query_start_loc itself: the decode rows and the densely
+            # attended prompts' rows stay untouched
+            self._prefill(q, k_cache, v_cache, meta.block_tables[num_decodes:],
+                          meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
+                          meta.sliding_window, out=out, max_query_len=max(paged_query_lens),
+                          dense_from=dense_from, k_scale=k_scale, v_scale=v_scale)
         return out
 
     def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                max_prompt_tokens: int) -> None:
-        """Plans the dense attention of every padded length a prompt of one step can have."""
+                max_prompt_tokens: int, max_step_tokens: int) -> None:
+        """Plans the dense attention of every padded length a prompt of one step can have, and of every batch of
+        prompts that forward() attends in one call."""
         if not self.dense_prefill_min_tokens or device.type != "cuda" or dtype not in _DENSE_DTYPES:
             return
         first = dense_length(self.dense_prefill_min_tokens)
         for length in range(first, dense_length(max_prompt_tokens) + 1, DENSE_LENGTH_BUCKET):
-            q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
-            kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
-            dense_causal_attention(q, kv, kv, head_dim ** -0.5)
+            batch = 1
+            while batch == 1 or batch * length <= min(DENSE_BATCH_MAX_TOKENS, max_step_tokens):
+                q = torch.zeros(batch * length, num_heads, head_dim, dtype=dtype, device=device)
+                kv = torch.zeros(batch * length, num_kv_heads, head_dim, dtype=dtype, device=device)
+                dense_causal_attention(q, kv, kv, head_dim ** -0.5, batch)
+                batch *= 2
 
     def _dense_from(self, q: torch.Tensor, meta: AttentionMetadata) -> int:
         """The dense path's threshold for this step, 0 when it does not apply (CPU, float32, sliding window)."""
@@ -105,17 +131,26 @@ def dense_length(num_tokens: int) -> int:
     return -(-num_tokens // DENSE_LENGTH_BUCKET) * DENSE_LENGTH_BUCKET
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one whole sequence over its own K/V. q: [T, Hq, D]; k, v: [T, Hkv, D] (any row
-    stride: views of the fused qkv projection are fine) -> [T, Hq, D]."""
-    num_tokens = q.shape[0]
-    # always a padded contiguous copy (a few MB against the attention's compute): cuDNN's plans are keyed on the
-    # strides too, and one layout per length is what warm_up plans
-    padding = (0, 0, 0, 0, 0, dense_length(num_tokens) - num_tokens)
-    q, k, v = (F.pad(x, padding) for x in (q, k, v))
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           num_seqs: int = 1) -> torch.Tensor:
+    """Causal attention of `num_seqs` sequences of one length, packed one after another, each over its own K/V.
+    q: [num_seqs * T, Hq, D]; k, v: [num_seqs * T, Hkv, D] (any row stride: views of the fused qkv projection
+    are fine) -> [num_seqs * T, Hq, D]. Several sequences only at a length that needs no padding."""
+    length = q.shape[0] // num_seqs
+    padded = dense_length(length)
+    # cuDNN's plans are keyed on the strides too: every call passes contiguous [sequences, tokens, heads, D], the
+    # layout warm_up plans. The rotary kernel's q and k already are (no copy); v, a view of the fused projection,
+    # is copied (a quarter of q's bytes)
+    if padded == length:
+        q, k, v = (x.contiguous().unflatten(0, (num_seqs, length)) for x in (q, k, v))
+    else:
+        assert num_seqs == 1, "only a length that needs no padding is batched"
+        padding = (0, 0, 0, 0, 0, padded - length)
+        q, k, v = (F.pad(x, padding)[None] for x in (q, k, v))
     # cuDNN first, then flash: torch's own order may change between versions, and on the H200 flash (FA2)
     # runs at half of cuDNN's rate here (bench/h200/prefill_probe.py)
     with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)[:num_tokens]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=scale, enable_gqa=True)
+    # cuDNN writes its output in q's layout: back to [tokens, heads, D] without a copy
+    return out.transpose(1, 2)[:, :length].flatten(0, 1)

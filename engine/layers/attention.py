@@ -71,7 +71,7 @@ class AttentionBackend(abc.ABC):
         already stored k and v at meta.slot_mapping (a fused RoPE + store, engine/model/llama.py)."""
 
     def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                max_prompt_tokens: int) -> None:
+                max_prompt_tokens: int, max_step_tokens: int) -> None:
         """Builds what the first step of a new shape would otherwise build inside a request (execution plans of
         library kernels). Nothing to build by default."""
         return None

@@ -30,7 +30,7 @@ def _step(query_lens: list[int], seq_lens: list[int], num_decodes: int, block_si
 
 def _check_backend(query_lens: list[int], seq_lens: list[int], num_decodes: int, num_heads: int,
                    num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                   sliding_window: int | None, device: str) -> None:
+                   sliding_window: int | None, device: str, backend: TritonAttention | None = None) -> None:
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 8
     torch_cache = make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     triton_cache = torch_cache.clone()
@@ -41,7 +41,7 @@ def _check_backend(query_lens: list[int], seq_lens: list[int], num_decodes: int,
     v = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
     scale = head_dim ** -0.5
     expected = TorchAttention().forward(q, k, v, torch_cache.k, torch_cache.v, meta, scale)
-    out = TritonAttention().forward(q, k, v, triton_cache.k, triton_cache.v, meta, scale)
+    out = (backend or TritonAttention()).forward(q, k, v, triton_cache.k, triton_cache.v, meta, scale)
     assert torch.equal(triton_cache.kv, torch_cache.kv)
     assert relative_error(out.float(), expected.float()) < TOLERANCE[dtype]
 
@@ -76,6 +76,56 @@ def test_triton_backend_on_gpu_one_long_fresh_prompt(dtype: torch.dtype) -> None
     """A step that is one fresh prompt long enough for the dense path returns its result directly."""
     _check_backend([1500], [1500], 0, 32, 8, 128, 16, dtype, None, "cuda")
     _check_backend([1500, 1200], [1500, 1200], 0, 32, 8, 128, 16, dtype, None, "cuda")
+
+
+@gpu
+def test_triton_backend_on_gpu_batches_fresh_prompts_of_one_length() -> None:
+    # decodes, then four and three fresh prompts of two lengths (batches of 4, 2 and 1), one of a padded length
+    query_lens = [1] * 3 + [1024] * 4 + [1280] * 3 + [1100]
+    _check_backend(query_lens, [700, 90, 2000] + query_lens[3:], 3, 32, 8, 128, 16, torch.bfloat16, None, "cuda")
+    _check_backend([1024] * 8, [1024] * 8, 0, 32, 8, 128, 16, torch.bfloat16, None, "cuda")
+
+
+class _DenseOnAnyDevice(TritonAttention):
+    """The dense path's choices on the CPU (in a real engine it runs on a GPU only)."""
+
+    def _dense_from(self, q: torch.Tensor, meta: AttentionMetadata) -> int:
+        return self.dense_prefill_min_tokens
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens", "num_decodes", "calls"), [
+    # two decodes; prompts of 256 (no padding): a batch of 2, then one left over; a padded length alone; a
+    # prefix hit for the paged kernel
+    ([1, 1, 256, 256, 256, 300, 256, 5], [40, 9, 256, 256, 256, 300, 256, 30], 2,
+     [(512, 2), (256, 1), (300, 1), (256, 1)]),
+    # the step is four fresh prompts of one length: one call, its result returned as the output
+    ([256] * 4, [256] * 4, 0, [(1024, 4)]),
+])
+def test_fresh_prompts_of_one_length_are_attended_in_batches_of_powers_of_two(
+        monkeypatch: pytest.MonkeyPatch, query_lens: list[int], seq_lens: list[int], num_decodes: int,
+        calls: list[tuple[int, int]]) -> None:
+    from engine.kernels import backend as backend_module
+
+    made: list[tuple[int, int]] = []
+    dense = backend_module.dense_causal_attention
+
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, num_seqs: int = 1):
+        made.append((q.shape[0], num_seqs))
+        return dense(q, k, v, scale, num_seqs)
+
+    monkeypatch.setattr(backend_module, "dense_causal_attention", recording)
+    _check_backend(query_lens, seq_lens, num_decodes, 4, 2, 32, 16, torch.float32, None, "cpu",
+                   backend=_DenseOnAnyDevice(dense_prefill_min_tokens=256))
+    assert made == calls
+
+
+def test_dense_attention_of_several_sequences_is_each_alone() -> None:
+    qkv = torch.randn(3 * 256, 4 + 2 + 2, 32, dtype=torch.float64)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    out = dense_causal_attention(q, k, v, 32 ** -0.5, num_seqs=3)
+    for b in range(3):
+        rows = slice(256 * b, 256 * (b + 1))
+        assert torch.equal(out[rows], dense_causal_attention(q[rows], k[rows], v[rows], 32 ** -0.5))
 
 
 def test_dense_attention_padding_leaves_the_real_rows_exact() -> None:
