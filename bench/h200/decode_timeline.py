@@ -99,6 +99,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--mixed-after", type=int, default=4,
+                        help="steps run before the steps with prompt tokens are profiled (later: more decodes "
+                             "beside the prompts, and a chunked prompt's continuation)")
     parser.add_argument("--decode-warm-steps", type=int, default=40)
     parser.add_argument("--wall-steps", type=int, default=450)
     parser.add_argument("--trace-dir", default=None, help="where to write the gzipped chrome traces")
@@ -117,10 +120,10 @@ def main() -> None:
         engine.add_request(f"r{i}", prompt, params)
     trace_dir = Path(args.trace_dir) if args.trace_dir else Path(tempfile.mkdtemp())
     trace_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(4):  # the first steps: prompts only, then prompts beside a few decodes
+    for _ in range(args.mixed_after):  # the first steps: prompts only, then prompts beside a few decodes
         engine.step()
     mixed = profiled_steps(engine, 3, trace_dir / "mixed.json")
-    report(mixed, 3, "steps with prompt tokens (8192 a step, decodes beside them)")
+    report(mixed, 3, f"steps with prompt tokens after {args.mixed_after} steps (8192 a step, decodes beside them)")
     while engine.stats().num_queued_prefill_tokens:
         engine.step()
     for _ in range(args.decode_warm_steps):
