@@ -46,6 +46,7 @@ class TritonAttention(AttentionBackend):
         self._decode = decode.paged_decode_attention
         self._prefill = prefill.paged_prefill_attention
         self.dense_prefill_min_tokens = dense_prefill_min_tokens  # 0: never
+        self._plan: tuple[AttentionMetadata, DensePlan] | None = None  # the step's plan, made at its first layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -57,45 +58,22 @@ class TritonAttention(AttentionBackend):
             self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_decodes = meta.num_decodes
         dense_from = self._dense_from(q, meta)
-        starts = meta.query_start_loc_host
-
-        def dense_batch(b: int) -> int:
-            """How many fresh prompts from b on are attended in one dense call (0: b is not a dense prompt)."""
-            length = starts[b + 1] - starts[b]
-            if not dense_from or length != meta.seq_lens_host[b] or length < dense_from:
-                return 0
-            batch = 1
-            while (b + 2 * batch <= meta.num_seqs and 2 * batch * length <= DENSE_BATCH_MAX_TOKENS
-                   and dense_length(length) == length
-                   and all(starts[c + 1] - starts[c] == length == meta.seq_lens_host[c]
-                           for c in range(b + batch, b + 2 * batch))):
-                batch *= 2
-            return batch
-
-        out: torch.Tensor | None = None
+        # every layer of a step sees the same metadata: its plan is made once, at the first layer
+        if self._plan is None or self._plan[0] is not meta:
+            self._plan = (meta, plan_dense_batches(meta, dense_from))
+        dense, paged_query_lens = self._plan[1]
+        if len(dense) == 1 and not num_decodes and not paged_query_lens:
+            # the step is these prompts (a long prompt usually is): their result is the output, no copy
+            return dense_causal_attention(q, k, v, scale, dense[0][1] - dense[0][0])
+        out = torch.empty_like(q)
         if num_decodes:
-            out = torch.empty_like(q)
             self._decode(q[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
                          meta.seq_lens[:num_decodes], scale, meta.sliding_window, out=out[:num_decodes],
                          k_scale=k_scale, v_scale=v_scale)
-        paged_query_lens = []
-        b = num_decodes
-        while b < meta.num_seqs:
-            batch = dense_batch(b)
-            if not batch:
-                paged_query_lens.append(starts[b + 1] - starts[b])
-                b += 1
-                continue
-            rows = slice(starts[b], starts[b + batch])
-            result = dense_causal_attention(q[rows], k[rows], v[rows], scale, batch)
-            if rows.start == 0 and rows.stop == q.shape[0]:
-                return result  # the step is these prompts (a long prompt usually is): no copy
-            if out is None:
-                out = torch.empty_like(q)
-            out[rows] = result
-            b += batch
-        if out is None:
-            out = torch.empty_like(q)
+        starts = meta.query_start_loc_host
+        for first, stop in dense:
+            rows = slice(starts[first], starts[stop])
+            out[rows] = dense_causal_attention(q[rows], k[rows], v[rows], scale, stop - first)
         if paged_query_lens:
             # the prefill kernel indexes q and out by query_start_loc itself: the decode rows and the densely
             # attended prompts' rows stay untouched
@@ -125,6 +103,39 @@ class TritonAttention(AttentionBackend):
         if q.device.type != "cuda" or q.dtype not in _DENSE_DTYPES or meta.sliding_window is not None:
             return 0
         return self.dense_prefill_min_tokens
+
+
+# (first, stop) sequence ranges attended densely, one call each; the query lengths of the other prompt sequences
+DensePlan = tuple[list[tuple[int, int]], list[int]]
+
+
+def plan_dense_batches(meta: AttentionMetadata, dense_from: int) -> DensePlan:
+    """Which of the step's prompt sequences the dense path takes (dense_from: its threshold, 0 for none), as runs
+    of fresh prompts of one length that needs no padding, in batches of 2, 4, 8... up to DENSE_BATCH_MAX_TOKENS;
+    a padded length is a run of its own."""
+    starts, seq_lens = meta.query_start_loc_host, meta.seq_lens_host
+
+    def fresh_length(b: int) -> int:  # a fresh prompt's length (its whole context is new), else 0
+        length = starts[b + 1] - starts[b]
+        return length if dense_from and length == seq_lens[b] and length >= dense_from else 0
+
+    dense: list[tuple[int, int]] = []
+    paged_query_lens: list[int] = []
+    b = meta.num_decodes
+    while b < meta.num_seqs:
+        length = fresh_length(b)
+        if not length:
+            paged_query_lens.append(starts[b + 1] - starts[b])
+            b += 1
+            continue
+        batch = 1
+        if dense_length(length) == length:
+            while (b + 2 * batch <= meta.num_seqs and 2 * batch * length <= DENSE_BATCH_MAX_TOKENS
+                   and all(fresh_length(c) == length for c in range(b + batch, b + 2 * batch))):
+                batch *= 2
+        dense.append((b, b + batch))
+        b += batch
+    return dense, paged_query_lens
 
 
 def dense_length(num_tokens: int) -> int:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,6 +119,28 @@ def test_fresh_prompts_of_one_length_are_attended_in_batches_of_powers_of_two(
     _check_backend(query_lens, seq_lens, num_decodes, 4, 2, 32, 16, torch.float32, None, "cpu",
                    backend=_DenseOnAnyDevice(dense_prefill_min_tokens=256))
     assert made == calls
+
+
+def test_a_step_is_planned_once_for_all_its_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.kernels import backend as backend_module
+
+    plans: list[AttentionMetadata] = []
+    plan = backend_module.plan_dense_batches
+
+    def recording(meta: AttentionMetadata, dense_from: int):
+        plans.append(meta)
+        return plan(meta, dense_from)
+
+    monkeypatch.setattr(backend_module, "plan_dense_batches", recording)
+    backend = _DenseOnAnyDevice(dense_prefill_min_tokens=256)
+    query_lens, seq_lens = [1, 256, 256], [20, 256, 256]
+    cache = make_cache(64, 16, 2, 32, torch.float32, "cpu")
+    q, k, v = torch.randn(513, 4, 32), torch.randn(513, 2, 32), torch.randn(513, 2, 32)
+    first = _step(query_lens, seq_lens, 1, 16, 64, None, "cpu")
+    steps = [first, dataclasses.replace(first)]  # the next step: equal contents, a new object
+    outs = [backend.forward(q, k, v, cache.k, cache.v, meta, 32 ** -0.5) for meta in (steps[0], steps[0], steps[1])]
+    assert plans == [steps[0], steps[1]] and plans[0] is steps[0] and plans[1] is steps[1]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_dense_attention_of_several_sequences_is_each_alone() -> None:
