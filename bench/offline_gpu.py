@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.gemm_report import gemm_tuning_lines  # noqa: E402
 from bench.tp_step import LLAMA_31_8B, read_bandwidth  # noqa: E402
 
 
@@ -210,6 +211,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
+    parser.add_argument("--no-gemm-tuning", action="store_true",
+                        help="F.linear's GEMMs only (engine/kernels/lt_gemm.py)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true",
                         help="also print where the time went: steps with prompt tokens vs decode-only steps, "
@@ -230,13 +233,14 @@ def main() -> None:
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
-              async_scheduling=not args.sync)
+              async_scheduling=not args.sync, gemm_tuning=not args.no_gemm_tuning)
     start_seconds = time.perf_counter() - started
     if args.gc_threshold is not None:
         import gc
 
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     model = llm.engine.runner.model
+    print("\n".join(gemm_tuning_lines(llm.engine.runner)), flush=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     num_params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
 
