@@ -178,11 +178,12 @@ class TunedGemm:
         choice = self.by_rows.get(x.shape[0]) if x.dim() == 2 else None
         if choice is None or x.dtype != choice.shape.dtype or weight.dtype != x.dtype:
             return None
-        if not (x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % ALIGNMENT == 0
-                and weight.data_ptr() % ALIGNMENT == 0 and tuple(weight.shape) == (choice.shape.n, choice.shape.k)):
+        shape = choice.shape
+        if not (x.shape[1] == shape.k and tuple(weight.shape) == (shape.n, shape.k) and x.is_contiguous()
+                and weight.is_contiguous() and x.data_ptr() % ALIGNMENT == 0 and weight.data_ptr() % ALIGNMENT == 0):
             return None
-        out = torch.empty(x.shape[0], choice.shape.n, dtype=x.dtype, device=x.device)
-        choice.shape.run(x, weight, out, choice.algo)
+        out = torch.empty(x.shape[0], shape.n, dtype=x.dtype, device=x.device)
+        shape.run(x, weight, out, choice.algo)
         return out
 
 

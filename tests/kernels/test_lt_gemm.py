@@ -96,5 +96,6 @@ def test_calls_the_tuning_did_not_cover_fall_back_to_f_linear() -> None:
     assert tuned(x.t().contiguous().t()[:16], layer.weight) is None  # strided rows
     assert tuned(x[:16].float(), layer.weight.float()) is None  # another dtype
     assert tuned(x[:16], block.ups[1].weight[:768]) is None  # another weight shape
+    assert tuned(x[:16, :256].contiguous(), layer.weight) is None  # an input of another width
     for rows in (16, 24):  # either way the layer's output is the product
         _assert_close(layer(x[1:1 + rows]), _reference(x[1:1 + rows], layer))
