@@ -2,7 +2,7 @@
 # Issue 12: GEMM algorithms picked by timing at start-up (engine/kernels/lt_gemm.py). The GPU tests, the decode
 # step with and without the tuning (which prints the tuning's table) and, first, optionally the offline run in fresh
 # engines, alternating without and with it (needs an H200: the workload's K/V does not fit an H100):
-#   bash bench/h200/gemm_tuning_run.sh [tests|notests] [offline|nooffline] [decode|nodecode]
+#   [OFFLINE_RUNS=4] bash bench/h200/gemm_tuning_run.sh [tests|notests] [offline|nooffline] [decode|nodecode]
 set -u
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
@@ -12,7 +12,8 @@ tail -1 $OUT/lt-tests.log
 [ "${1:-tests}" = tests ] && bash bench/h200/gpu_tests.sh
 if [ "${2:-nooffline}" = offline ]; then
   n=0
-  for flag in --no-gemm-tuning "" --no-gemm-tuning ""; do
+  flags=(--no-gemm-tuning "" --no-gemm-tuning "")
+  for flag in "${flags[@]:0:${OFFLINE_RUNS:-4}}"; do
     n=$((n + 1))
     timeout 110 python3 bench/offline_gpu.py $flag > $OUT/offline-$n.log 2>&1; echo "offline $n ${flag:-(tuned)} rc=$?"
     grep -E "^\| 1 |^read bandwidth|engine start" $OUT/offline-$n.log
