@@ -29,7 +29,7 @@ from engine.cuda_graphs import DecodeGraphs, batch_buckets
 from engine.device import GpuMemoryError, check_free_memory, gib, plan_gpu_memory, resolve_device
 from engine.layers import cpu_kernels, kv_fp8
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from engine.layers.linear import HeadSplit
+from engine.layers.linear import ColumnParallelLinear, HeadSplit, RowParallelLinear
 from engine.model.loader import build_model
 from engine.parallel.context import ParallelContext
 from engine.parallel.executor import StepInputs, TensorParallelWorkers, resolve_call
@@ -143,7 +143,13 @@ class ModelRunner:
         from engine.kernels.lt_gemm import tune_linears  # needs the CUDA libraries: imported where it runs
 
         batches = [b for b in graph_batches if b >= 16]
-        self.gemm_timings = tune_linears(self.model, [*batches, max_step_tokens], logits_rows=batches)
+        try:
+            self.gemm_timings = tune_linears(self.model, [*batches, max_step_tokens], logits_rows=batches)
+        except (OSError, RuntimeError) as e:  # no usable cuBLASLt: F.linear everywhere, as without the tuning
+            for module in self.model.modules():
+                if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                    module.tuned_gemm = None
+            logger.warning("GEMM tuning failed, F.linear's algorithms stay: %s", e)
 
     def _warm_up(self, max_prompt_tokens: int, max_step_tokens: int) -> None:
         """So that no request pays for a kernel compilation or a library's plan (over a second each, inside a
