@@ -211,8 +211,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
-    parser.add_argument("--no-gemm-tuning", action="store_true",
-                        help="F.linear's GEMMs only (engine/kernels/lt_gemm.py)")
+    parser.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
+                        help="cuBLASLt GEMM algorithms picked by timing at start-up (engine/kernels/lt_gemm.py; "
+                             "default: the engine's)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true",
                         help="also print where the time went: steps with prompt tokens vs decode-only steps, "
@@ -230,10 +231,11 @@ def main() -> None:
     config_dir = Path(tempfile.mkdtemp())
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
     started = time.perf_counter()
+    tuning = {} if args.gemm_tuning is None else {"gemm_tuning": args.gemm_tuning}
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
-              async_scheduling=not args.sync, gemm_tuning=not args.no_gemm_tuning)
+              async_scheduling=not args.sync, **tuning)
     start_seconds = time.perf_counter() - started
     if args.gc_threshold is not None:
         import gc

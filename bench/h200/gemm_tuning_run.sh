@@ -12,18 +12,18 @@ tail -1 $OUT/lt-tests.log
 [ "${1:-tests}" = tests ] && bash bench/h200/gpu_tests.sh
 if [ "${2:-nooffline}" = offline ]; then
   n=0
-  flags=(--no-gemm-tuning "" --no-gemm-tuning "")
+  flags=(--no-gemm-tuning --gemm-tuning --no-gemm-tuning --gemm-tuning)
   for flag in "${flags[@]:0:${OFFLINE_RUNS:-4}}"; do
     n=$((n + 1))
-    timeout 110 python3 bench/offline_gpu.py $flag > $OUT/offline-$n.log 2>&1; echo "offline $n ${flag:-(tuned)} rc=$?"
+    timeout 110 python3 bench/offline_gpu.py $flag > $OUT/offline-$n.log 2>&1; echo "offline $n $flag rc=$?"
     grep -E "^\| 1 |^read bandwidth|engine start" $OUT/offline-$n.log
     [ $n = 2 ] && grep -E "^\| 8192 x |^\| 256 x " $OUT/offline-$n.log
   done
 fi
 if [ "${3:-decode}" = decode ]; then
-  for flag in --no-gemm-tuning ""; do
-    log=$OUT/decode-step${flag:---tuned}.log
+  for flag in --no-gemm-tuning --gemm-tuning; do
+    log=$OUT/decode-step$flag.log
     timeout 200 python3 bench/decode_step.py --batches 64,256 --context 1024 $flag > $log 2>&1
-    echo "decode_step ${flag:-(tuned)} rc=$?"; grep -E "^\| [0-9]+ x |^\| [0-9]+ \|" $log
+    echo "decode_step $flag rc=$?"; grep -E "^\| [0-9]+ x |^\| [0-9]+ \|" $log
   done
 fi
