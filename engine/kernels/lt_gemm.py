@@ -269,6 +269,7 @@ def _tune_shape(shape: LtShape, rotation: list[torch.Tensor], margin: float) -> 
                   choice is not None), choice
 
 
+@torch.no_grad()  # the weights may be parameters that require grad; nothing here is differentiated
 def tune_linears(model: nn.Module, rows: Iterable[int], logits_rows: Iterable[int] = (),
                  l2_bytes: int | None = None, margin: float = MARGIN) -> list[Timing]:
     """Times every tunable linear shape at each row count and attaches the winners (engine/layers/linear.py).
