@@ -92,10 +92,12 @@ def test_calls_the_tuning_did_not_cover_fall_back_to_f_linear() -> None:
     x = torch.randn(40, 512, device="cuda", dtype=torch.bfloat16)
     assert tuned(x[:16], layer.weight) is not None
     assert tuned(x[:24], layer.weight) is None  # a row count not tuned
-    assert tuned(x[1:17], layer.weight) is None  # a pointer off the alignment the algorithms may assume
+    shifted = torch.randn(16 * 512 + 8, device="cuda", dtype=torch.bfloat16)[8:].view(16, 512)  # 16 bytes in
+    assert tuned(shifted, layer.weight) is None  # a pointer off the alignment the algorithms may assume
     assert tuned(x.t().contiguous().t()[:16], layer.weight) is None  # strided rows
     assert tuned(x[:16].float(), layer.weight.float()) is None  # another dtype
     assert tuned(x[:16], block.ups[1].weight[:768]) is None  # another weight shape
     assert tuned(x[:16, :256].contiguous(), layer.weight) is None  # an input of another width
     for rows in (16, 24):  # either way the layer's output is the product
         _assert_close(layer(x[1:1 + rows]), _reference(x[1:1 + rows], layer))
+    _assert_close(layer(shifted), _reference(shifted, layer))
