@@ -47,7 +47,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gemm_report import gemm_tuning_lines  # noqa: E402
 from bench.tp_step import (  # noqa: E402
     SHAPES,
     decode_collectives,
@@ -156,9 +155,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--eager", action="store_true")
-    parser.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
-                        help="cuBLASLt GEMM algorithms picked by timing at start-up (engine/kernels/lt_gemm.py; "
-                             "default: the engine's)")
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--hf", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
@@ -196,16 +192,13 @@ def main() -> None:
     moe = is_moe(cfg)
     config_dir = Path(tempfile.mkdtemp())
     (config_dir / "config.json").write_text(json.dumps(cfg))
-    tuning = {} if args.gemm_tuning is None else {"gemm_tuning": args.gemm_tuning}
     llm = LLM(model=str(config_dir), dtype=dtype, device=args.device, load_format="dummy",
               max_num_seqs=max(batches), max_num_batched_tokens=MAX_STEP_TOKENS,
               max_model_len=args.context + args.steps + 64 + prefill_steps(max(batches), args.context),
               skip_tokenizer_init=True, enforce_eager=args.eager, async_scheduling=not args.sync,
-              **tuning, kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=tp_size,
+              kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=tp_size,
               enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)
     model = llm.engine.runner.model
-    if args.device == "cuda":
-        print("\n".join(gemm_tuning_lines(llm.engine.runner)), flush=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # rank 0's shard
     # the issue's floor counts every weight; a step reads one row of the (untied) embedding table, so the
     # strict floor leaves the table out

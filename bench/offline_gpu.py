@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gemm_report import gemm_tuning_lines  # noqa: E402
 from bench.tp_step import LLAMA_31_8B, read_bandwidth  # noqa: E402
 
 
@@ -211,9 +210,6 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
-    parser.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=None,
-                        help="cuBLASLt GEMM algorithms picked by timing at start-up (engine/kernels/lt_gemm.py; "
-                             "default: the engine's)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true",
                         help="also print where the time went: steps with prompt tokens vs decode-only steps, "
@@ -231,18 +227,16 @@ def main() -> None:
     config_dir = Path(tempfile.mkdtemp())
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
     started = time.perf_counter()
-    tuning = {} if args.gemm_tuning is None else {"gemm_tuning": args.gemm_tuning}
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
-              async_scheduling=not args.sync, **tuning)
+              async_scheduling=not args.sync)
     start_seconds = time.perf_counter() - started
     if args.gc_threshold is not None:
         import gc
 
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     model = llm.engine.runner.model
-    print("\n".join(gemm_tuning_lines(llm.engine.runner)), flush=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     num_params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
 

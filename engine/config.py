@@ -256,10 +256,6 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # no CUDA graphs for decode
     max_graph_batch_size: int = 256  # larger decode batches run eagerly
-    # GPU: time cuBLASLt's GEMM algorithms against F.linear at start-up for each linear shape at the decode graphs'
-    # batch sizes and at a full prompt step, and keep the faster (engine/kernels/lt_gemm.py). Off until a GPU run
-    # has measured it (no device could be had in the session that wrote it: bench/h200/gemm_tuning_run.sh)
-    gemm_tuning: bool = False
     # Schedule and launch step N+1 before reading step N's sampled tokens, so the host's work (scheduling,
     # input packing, output bookkeeping) overlaps the device's; outputs then come one step() later, and an
     # EOS or stop token ends its request one step late (the extra token is discarded). None: on for CUDA,

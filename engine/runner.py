@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import DecodeGraphs, batch_buckets
+from engine.cuda_graphs import DecodeGraphs
 from engine.device import GpuMemoryError, check_free_memory, gib, plan_gpu_memory, resolve_device
 from engine.layers import cpu_kernels, kv_fp8
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
-from engine.layers.linear import ColumnParallelLinear, HeadSplit, RowParallelLinear
+from engine.layers.linear import HeadSplit
 from engine.model.loader import build_model
 from engine.parallel.context import ParallelContext
 from engine.parallel.executor import StepInputs, TensorParallelWorkers, resolve_call
@@ -123,9 +123,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.last_sampled: SampledStep | None = None  # the last launched step's samples: next inputs
         self.graphs: DecodeGraphs | None = None
-        self.gemm_timings: list[Any] = []  # engine/kernels/lt_gemm.py's Timing rows, for the benchmarks
-        if self.device.type == "cuda" and cfg.gemm_tuning:  # before the graphs capture the GEMMs
-            self._tune_gemms(batch_buckets(graph_batch) if use_graphs else [], cfg.max_num_batched_tokens)
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, graph_batch,
                                        -(-max_model_len // self.block_size), self.sliding_window,
@@ -136,20 +133,6 @@ class ModelRunner:
             cpu_kernels.kernel()  # built (or found built) now, not inside a request's first step
         logger.info("model %s on %s in %s, %d KV blocks of %d tokens (%s)", model_cfg.architecture, self.device,
                     self.dtype, self.num_blocks, self.block_size, self.kv_cache_dtype)
-
-    def _tune_gemms(self, graph_batches: list[int], max_step_tokens: int) -> None:
-        """Picks each linear shape's GEMM algorithm by timing at the decode graphs' batch sizes from 16 up (below,
-        batch 1 has its GEMV kernel and the others little to gain) and at a full prompt step."""
-        from engine.kernels.lt_gemm import tune_linears  # needs the CUDA libraries: imported where it runs
-
-        batches = [b for b in graph_batches if b >= 16]
-        try:
-            self.gemm_timings = tune_linears(self.model, [*batches, max_step_tokens], logits_rows=batches)
-        except (OSError, RuntimeError) as e:  # no usable cuBLASLt: F.linear everywhere, as without the tuning
-            for module in self.model.modules():
-                if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                    module.tuned_gemm = None
-            logger.warning("GEMM tuning failed, F.linear's algorithms stay: %s", e)
 
     def _warm_up(self, max_prompt_tokens: int, max_step_tokens: int) -> None:
         """So that no request pays for a kernel compilation or a library's plan (over a second each, inside a

@@ -54,9 +54,6 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights of the shapes the model's config.json gives (no weights files)")
     parser.add_argument("--enforce-eager", action="store_true", default=engine["enforce_eager"],
                         help="no CUDA graphs for decode steps")
-    parser.add_argument("--gemm-tuning", action=argparse.BooleanOptionalAction, default=engine["gemm_tuning"],
-                        help="GPU: pick each linear layer's cuBLASLt GEMM algorithm by timing at start-up, for the "
-                             "decode graphs' batch sizes and a full prompt step")
     parser.add_argument("--enable-expert-parallel", action="store_true", default=engine["enable_expert_parallel"],
                         help="a mixture-of-experts model's experts split whole across the node's tensor-parallel "
                              "ranks (tokens travel to them) instead of each expert split across every rank")
@@ -117,7 +114,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
         attention_backend=args.attention_backend, hash_seed=cluster.hashing.hash_seed, skip_tokenizer_init=True,
         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization, load_format=args.load_format,
-        enforce_eager=args.enforce_eager, gemm_tuning=args.gemm_tuning, async_scheduling=args.async_scheduling,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)

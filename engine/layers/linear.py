@@ -12,14 +12,12 @@ The vocabulary is split in `ceil(vocab / tp)` rows per rank (the last rank's sli
 embedding looks up the rank's ids and sums over the ranks (one all-reduce); the lm_head (a column-parallel layer)
 computes the rank's logits, which `gather_logits` gathers (one all-gather).
 
-On one rank every layer here computes what its plain torch counterpart does, bit for bit, unless a GPU engine attached
-a GEMM algorithm picked by timing (`tuned_gemm`, engine/kernels/lt_gemm.py; the same product, rounded once from fp32
-as well). A CPU model's linear layers are replaced after loading by packed ones (engine/layers/cpu_linear.py).
+On one rank every layer here computes what its plain torch counterpart does, bit for bit. A CPU model's linear layers
+are replaced after loading by packed ones (engine/layers/cpu_linear.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,31 +61,16 @@ def vocab_shard(vocab_size: int, parallel: ParallelContext) -> tuple[int, int]:
     return parallel.tp_rank * rows, rows
 
 
-# (x, weight) -> x @ weight^T, or None where F.linear should run: the GEMM algorithms picked by timing at
-# start-up (engine/kernels/lt_gemm.py), for the row counts they were picked at
-TunedGemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
-
-
-def _matmul(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
-    if layer.tuned_gemm is not None and (out := layer.tuned_gemm(x, layer.weight)) is not None:
-        return out
-    return F.linear(x, layer.weight, layer.bias)
-
-
 class ColumnParallelLinear(nn.Linear):
     """A slice of the output features: `out_features` is this rank's share. No communication."""
 
-    tuned_gemm: TunedGemmFn | None = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(self, x)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
     """A slice of the input features; the partial outputs are summed over the ranks. The bias is loaded on rank 0
     only (zero elsewhere), so the sum adds it once."""
-
-    tuned_gemm: TunedGemmFn | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext = SINGLE_RANK
                  ) -> None:
@@ -95,7 +78,7 @@ class RowParallelLinear(nn.Linear):
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(_matmul(self, x))
+        return self.parallel.all_reduce(F.linear(x, self.weight, self.bias))
 
 
 class VocabParallelEmbedding(nn.Module):
