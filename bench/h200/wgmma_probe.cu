@@ -1,0 +1,382 @@
+// A hand-written Hopper GEMM for the decode step's shapes (out[M, N] = x[M, K] @ W[N, K]^T, bf16, fp32 accumulate,
+// M = the decode batch, <= 256) against cuBLAS as torch calls it (cublasGemmEx), timed side by side with the
+// weights rotating over copies larger than L2. Answers issue 12's open question: does a kernel of our own beat
+// cuBLAS at M = 256, where cuBLAS runs at ~590 (H100) / ~650 (H200) TFLOP/s against the ~790 of a large product?
+//
+// Design: persistent, warp-specialized. One producer warpgroup issues TMA loads (128-byte swizzle) of a 128-token
+// x tile and a BN-feature W tile per 64-wide K block into a STAGES-deep ring guarded by mbarriers; two consumer
+// warpgroups each multiply 64 tokens by the BN features with wgmma m64nBNk16 (both operands K-major in shared
+// memory), keeping one wgmma group in flight, and store bf16 straight from the accumulators. Tiles are numbered
+// token tile fastest, so the CTAs sharing a W tile run at the same time and W comes from HBM once. With SPLIT > 1
+// each tile's K range is split in SPLIT parts that add fp32 partials into a workspace (then one conversion pass):
+// for the narrow shapes (qkv, o_proj, down) whose tiles alone do not fill 132 multiprocessors.
+//
+//   python3 bench/h200/wgmma_gen.py > bench/h200/wgmma_ops.h   (committed; regenerate after editing the generator)
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_probe bench/h200/wgmma_probe.cu \
+//        -I<cublas include> -L<cublas lib> -lcublas && /tmp/wgmma_probe [M]
+#include <cublas_v2.h>
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "wgmma_ops.h"
+
+#define CHECK_CUDA(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
+    std::printf("cuda error %s at %d\n", cudaGetErrorString(e), __LINE__); std::exit(1); } } while (0)
+
+namespace {
+
+constexpr int BM = 128;  // tokens per tile: two consumer warpgroups of 64
+constexpr int BK = 64;   // one 128-byte swizzle row of bf16
+constexpr int THREADS = 384;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load(const CUtensorMap* map, void* dst, uint64_t* bar, int inner, int outer,
+                                         uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(smem_addr(bar)), "r"(inner), "r"(outer), "l"(policy)
+      : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major tile in the 128-byte swizzle layout TMA writes: 8-row groups of
+// 128-byte rows, 1024 bytes apart; the leading offset is unused for this layout
+__device__ __forceinline__ uint64_t smem_desc(const void* p) {
+  uint64_t desc = (smem_addr(p) & 0x3FFFF) >> 4;
+  desc |= uint64_t(1) << 16;
+  desc |= uint64_t(1024 >> 4) << 32;
+  desc |= uint64_t(1) << 62;
+  return desc;
+}
+
+template <int BN, int STAGES>
+struct Smem {
+  alignas(1024) __nv_bfloat16 x[STAGES][BM * BK];
+  alignas(1024) __nv_bfloat16 w[STAGES][BN * BK];
+  uint64_t full[STAGES];
+  uint64_t empty[STAGES];
+};
+
+template <int BN, int STAGES, int SPLIT>
+__global__ void __launch_bounds__(THREADS, 1)
+gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+            __nv_bfloat16* __restrict__ out, float* __restrict__ partial, int M, int N, int K) {
+  extern __shared__ uint8_t raw_smem[];
+  auto& s = *reinterpret_cast<Smem<BN, STAGES>*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+  const int m_tiles = (M + BM - 1) / BM;
+  const int n_tiles = (N + BN - 1) / BN;
+  const int units = m_tiles * n_tiles * SPLIT;
+  const int k_blocks = K / BK / SPLIT;  // the host checks divisibility
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      uint64_t keep, stream;  // x is read by every tile, W once
+      asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream));
+      int step = 0;
+      for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+        const int m_tile = unit % m_tiles;
+        const int n_tile = (unit / m_tiles) % n_tiles;
+        const int split = unit / (m_tiles * n_tiles);
+        for (int kb = split * k_blocks; kb < (split + 1) * k_blocks; ++kb, ++step) {
+          const int stage = step % STAGES;
+          if (step >= STAGES) mbar_wait(&s.empty[stage], ((step / STAGES) - 1) & 1);
+          mbar_expect_tx(&s.full[stage], (BM + BN) * BK * 2);
+          tma_load(&x_map, s.x[stage], &s.full[stage], kb * BK, m_tile * BM, keep);
+          tma_load(&w_map, s.w[stage], &s.full[stage], kb * BK, n_tile * BN, stream);
+        }
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+  const int consumer = warpgroup - 1;
+  const int lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x % 128) / 32;
+  float acc[BN / 2];
+  int step = 0;
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int m_tile = unit % m_tiles;
+    const int n_tile = (unit / m_tiles) % n_tiles;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int kb = 0; kb < k_blocks; ++kb, ++step) {
+      const int stage = step % STAGES;
+      mbar_wait(&s.full[stage], (step / STAGES) & 1);
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      const uint64_t a = smem_desc(&s.x[stage][consumer * 64 * BK]);
+      const uint64_t b = smem_desc(&s.w[stage][0]);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) Wgmma<BN>::run(acc, a + 2 * kk, b + 2 * kk);  // +32 bytes a step
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      // keep this block's products in flight; the previous block's are done, so its stage can be refilled
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+      if (kb > 0 && lane == 0) mbar_arrive(&s.empty[(step - 1) % STAGES]);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    if (lane == 0) mbar_arrive(&s.empty[(step - 1) % STAGES]);
+
+    // accumulator layout of m64nN: thread (warp, lane) holds rows warp*16 + lane/4 (+8), columns 8j + 2(lane%4)
+    const int row0 = m_tile * BM + consumer * 64 + warp * 16 + lane / 4;
+    const int col0 = n_tile * BN + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = col0 + 8 * j;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + 8 * half;
+        if (row < M && col < N) {
+          const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+          if (SPLIT == 1) {
+            *reinterpret_cast<__nv_bfloat162*>(out + size_t(row) * N + col) = __floats2bfloat162_rn(v0, v1);
+          } else {
+            float* p = partial + size_t(row) * N + col;
+            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1) : "memory");
+          }
+        }
+      }
+    }
+  }
+}
+
+__global__ void to_bf16(const float* __restrict__ in, __nv_bfloat16* __restrict__ out, size_t count) {
+  for (size_t i = (blockIdx.x * size_t(blockDim.x) + threadIdx.x) * 4; i < count;
+       i += size_t(gridDim.x) * blockDim.x * 4) {
+    const float4 v = *reinterpret_cast<const float4*>(in + i);
+    *reinterpret_cast<__nv_bfloat162*>(out + i) = __floats2bfloat162_rn(v.x, v.y);
+    *reinterpret_cast<__nv_bfloat162*>(out + i + 2) = __floats2bfloat162_rn(v.z, v.w);
+  }
+}
+
+__global__ void fill(__nv_bfloat16* p, size_t count, unsigned seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
+    unsigned h = unsigned(i * 2654435761u) ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * 0.04f);
+  }
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_tiled() {
+  static EncodeTiled fn = nullptr;
+  if (!fn) {
+    cudaDriverEntryPointQueryResult found;
+    CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&fn), 12000,
+                                                cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess) {
+      std::printf("cuTensorMapEncodeTiled not found\n");
+      std::exit(1);
+    }
+  }
+  return fn;
+}
+
+// a row-major [rows, K] bf16 matrix read in boxes of box_rows x 64
+CUtensorMap tensor_map(const __nv_bfloat16* base, int rows, int k, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(k) * 2};
+  const cuuint32_t box[2] = {BK, cuuint32_t(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(base),
+                                    dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::printf("cuTensorMapEncodeTiled failed: %d\n", int(r));
+    std::exit(1);
+  }
+  return map;
+}
+
+struct Problem {
+  int m, n, k;
+  __nv_bfloat16* x;
+  std::vector<__nv_bfloat16*> weights;
+  __nv_bfloat16* out;
+  float* partial;
+  CUtensorMap x_map;
+  std::vector<CUtensorMap> w_maps;
+};
+
+template <int BN, int STAGES, int SPLIT>
+void launch(const Problem& p, int copy, int num_sms, cudaStream_t stream) {
+  static bool configured = false;
+  const size_t smem = sizeof(Smem<BN, STAGES>) + 1024;
+  if (!configured) {
+    CHECK_CUDA(cudaFuncSetAttribute(gemm_kernel<BN, STAGES, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    int(smem)));
+    configured = true;
+  }
+  const int units = ((p.m + BM - 1) / BM) * ((p.n + BN - 1) / BN) * SPLIT;
+  if (SPLIT > 1) CHECK_CUDA(cudaMemsetAsync(p.partial, 0, size_t(p.m) * p.n * 4, stream));
+  gemm_kernel<BN, STAGES, SPLIT><<<std::min(units, num_sms), THREADS, smem, stream>>>(
+      p.x_map, p.w_maps[copy], p.out, p.partial, p.m, p.n, p.k);
+  if (SPLIT > 1) to_bf16<<<num_sms * 4, 256, 0, stream>>>(p.partial, p.out, size_t(p.m) * p.n);
+}
+
+template <typename Fn>
+float time_us(Fn&& fn, int copies, int reps, cudaStream_t stream) {
+  for (int i = 0; i < 3; ++i) fn(i % copies);
+  cudaEvent_t start, end;
+  cudaEventCreate(&start);
+  cudaEventCreate(&end);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  cudaEventRecord(start, stream);
+  for (int i = 0; i < reps; ++i) fn(i % copies);
+  cudaEventRecord(end, stream);
+  CHECK_CUDA(cudaEventSynchronize(end));
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, end);
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  return ms * 1e3f / reps;
+}
+
+float max_rel_err(const __nv_bfloat16* a, const __nv_bfloat16* b, size_t count) {
+  std::vector<__nv_bfloat16> ha(count), hb(count);
+  CHECK_CUDA(cudaMemcpy(ha.data(), a, count * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hb.data(), b, count * 2, cudaMemcpyDeviceToHost));
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < count; ++i) scale = std::max(scale, double(std::fabs(__bfloat162float(hb[i]))));
+  for (size_t i = 0; i < count; ++i)
+    worst = std::max(worst, double(std::fabs(__bfloat162float(ha[i]) - __bfloat162float(hb[i]))));
+  return float(worst / std::max(scale, 1e-30));
+}
+
+struct Variant {
+  const char* label;
+  void (*run)(const Problem&, int, int, cudaStream_t);
+  int bn, split;
+};
+
+#define VARIANT(BN, ST, SP) Variant{#BN "x" #ST "st split" #SP, launch<BN, ST, SP>, BN, SP}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int m = argc > 1 ? std::atoi(argv[1]) : 256;
+  const int reps = 200;
+  int num_sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs, M = %d\n", prop.name, num_sms, m);
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  cublasHandle_t handle;
+  cublasCreate(&handle);
+  cublasSetStream(handle, stream);
+  void* workspace;
+  CHECK_CUDA(cudaMalloc(&workspace, 32 << 20));
+  cublasSetWorkspace(handle, workspace, 32 << 20);
+
+  struct Shape { const char* name; int n, k; std::vector<Variant> variants; };
+  const std::vector<Shape> shapes = {
+      {"gate_up", 28672, 4096, {VARIANT(224, 4, 1), VARIANT(224, 5, 1), VARIANT(256, 4, 1), VARIANT(128, 6, 1),
+                                VARIANT(192, 5, 1)}},
+      {"lm_head", 128256, 4096, {VARIANT(256, 4, 1), VARIANT(224, 4, 1), VARIANT(192, 5, 1)}},
+      {"down", 4096, 14336, {VARIANT(256, 4, 4), VARIANT(128, 6, 2), VARIANT(128, 6, 4), VARIANT(256, 4, 2)}},
+      {"qkv", 6144, 4096, {VARIANT(192, 5, 2), VARIANT(256, 4, 2), VARIANT(128, 6, 2), VARIANT(192, 5, 1)}},
+      {"o_proj", 4096, 4096, {VARIANT(256, 4, 4), VARIANT(128, 6, 2), VARIANT(128, 6, 4), VARIANT(256, 4, 2)}},
+  };
+  for (const Shape& shape : shapes) {
+    Problem p{m, shape.n, shape.k};
+    const size_t w_elems = size_t(p.n) * p.k;
+    const int copies = std::max<int>(2, int((600ull << 20) / (w_elems * 2)) + 1);
+    CHECK_CUDA(cudaMalloc(&p.x, size_t(p.m) * p.k * 2));
+    fill<<<1024, 256>>>(p.x, size_t(p.m) * p.k, 7);
+    for (int c = 0; c < copies; ++c) {
+      __nv_bfloat16* w;
+      CHECK_CUDA(cudaMalloc(&w, w_elems * 2));
+      fill<<<1024, 256>>>(w, w_elems, 100 + c);
+      p.weights.push_back(w);
+    }
+    __nv_bfloat16* reference;
+    CHECK_CUDA(cudaMalloc(&reference, size_t(p.m) * p.n * 2));
+    CHECK_CUDA(cudaMalloc(&p.out, size_t(p.m) * p.n * 2));
+    CHECK_CUDA(cudaMalloc(&p.partial, size_t(p.m) * p.n * 4));
+    p.x_map = tensor_map(p.x, p.m, p.k, BM);
+    const float alpha = 1.f, beta = 0.f;
+    auto cublas = [&](int c, __nv_bfloat16* dst) {
+      // out^T (N x M, column-major) = W (K x N, transposed) x^T (K x M)
+      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, p.n, p.m, p.k, &alpha, p.weights[c], CUDA_R_16BF, p.k, p.x,
+                   CUDA_R_16BF, p.k, &beta, dst, CUDA_R_16BF, p.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    };
+    const double flop = 2.0 * p.m * p.n * p.k;
+    const float base_us = time_us([&](int c) { cublas(c, p.out); }, copies, reps, stream);
+    std::printf("M=%d %s N=%d K=%d: cuBLAS %.1f us %.0f TFLOP/s\n", p.m, shape.name, p.n, p.k, base_us,
+                flop / base_us / 1e6);
+    cublas(0, reference);
+    for (const Variant& v : shape.variants) {
+      if ((p.k / BK) % v.split) continue;
+      p.w_maps.clear();
+      for (int c = 0; c < copies; ++c) p.w_maps.push_back(tensor_map(p.weights[c], p.n, p.k, v.bn));
+      CHECK_CUDA(cudaMemsetAsync(p.out, 0, size_t(p.m) * p.n * 2, stream));
+      v.run(p, 0, num_sms, stream);
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const float err = max_rel_err(p.out, reference, size_t(p.m) * p.n);
+      const float us = time_us([&](int c) { v.run(p, c, num_sms, stream); }, copies, reps, stream);
+      std::printf("  %-20s %.1f us %.0f TFLOP/s (%.3fx cuBLAS), max err %.1e of max |out|\n", v.label, us,
+                  flop / us / 1e6, base_us / us, err);
+    }
+    // cuBLAS again, to see the clock drift over the shape's runs
+    const float again_us = time_us([&](int c) { cublas(c, p.out); }, copies, reps, stream);
+    std::printf("  cuBLAS again %.1f us\n", again_us);
+    for (auto* w : p.weights) cudaFree(w);
+    cudaFree(p.x);
+    cudaFree(reference);
+    cudaFree(p.out);
+    cudaFree(p.partial);
+  }
+  return 0;
+}

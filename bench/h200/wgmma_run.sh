@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Issue 12: build and run the hand-written Hopper GEMM probe (wgmma_probe.cu) against cuBLAS on the device.
+#   bash bench/h200/wgmma_run.sh [M ...]     (default 256)
+set -u
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader
+cublas=$(python3 -c "import nvidia.cublas, os; print(list(nvidia.cublas.__path__)[0])" 2>/dev/null)
+inc="-I$cublas/include"; lib="-L$cublas/lib -Xlinker -rpath=$cublas/lib"
+[ -e "$cublas/lib/libcublas.so" ] || { ln -sf "$(ls $cublas/lib/libcublas.so.* | head -1)" /tmp/libcublas.so; lib="$lib -L/tmp"; }
+nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_probe bench/h200/wgmma_probe.cu $inc $lib -lcublas 2>&1 | grep -v "^$" | head -20
+echo "nvcc rc=${PIPESTATUS[0]}"
+for m in "${@:-256}"; do
+  timeout 200 /tmp/wgmma_probe "$m" 2>&1 | tee -a $OUT/wgmma.log; echo "probe M=$m rc=${PIPESTATUS[0]}"
+done
