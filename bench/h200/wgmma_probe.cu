@@ -62,6 +62,33 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// arrive on the barrier at the same shared-memory offset in CTA `rank` of the cluster (this one included)
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// the same box into the same offset of every CTA in `mask`, each CTA's barrier at `bar`'s offset counting its bytes
+__device__ __forceinline__ void tma_load_multicast(const CUtensorMap* map, void* dst, uint64_t* bar, int inner,
+                                                   int outer, uint16_t mask, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint"
+      " [%0], [%1, {%3, %4}], [%2], %5, %6;" ::"r"(smem_addr(dst)),
+      "l"(map), "r"(smem_addr(bar)), "r"(inner), "r"(outer), "h"(mask), "l"(policy)
+      : "memory");
+}
+
 __device__ __forceinline__ void tma_load(const CUtensorMap* map, void* dst, uint64_t* bar, int inner, int outer,
                                          uint64_t policy) {
   asm volatile(
@@ -89,26 +116,32 @@ struct Smem {
   uint64_t empty[STAGES];
 };
 
-template <int BN, int STAGES, int SPLIT>
+// CLUSTER = 2: the two token tiles of a W tile run as a cluster, and each CTA loads half of the W tile and
+// multicasts it to both, halving W's traffic from L2 to the multiprocessors (needs M <= 2 * BM)
+template <int BN, int STAGES, int SPLIT, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
             __nv_bfloat16* __restrict__ out, float* __restrict__ partial, int M, int N, int K) {
   extern __shared__ uint8_t raw_smem[];
   auto& s = *reinterpret_cast<Smem<BN, STAGES>*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
-  const int m_tiles = (M + BM - 1) / BM;
+  const int m_tiles = CLUSTER == 1 ? (M + BM - 1) / BM : CLUSTER;
   const int n_tiles = (N + BN - 1) / BN;
-  const int units = m_tiles * n_tiles * SPLIT;
   const int k_blocks = K / BK / SPLIT;  // the host checks divisibility
   const int warpgroup = threadIdx.x / 128;
+  const uint32_t rank = CLUSTER == 1 ? 0 : cluster_rank();
+  // work items: (token tile, W tile, K part); a cluster takes its CTAs' token tiles of one (W tile, K part)
+  const int items = n_tiles * SPLIT * (CLUSTER == 1 ? m_tiles : 1);
+  const int first_item = blockIdx.x / CLUSTER, item_stride = gridDim.x / CLUSTER;
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], 8);  // one arrival per consumer warp
+      mbar_init(&s.empty[i], 8 * CLUSTER);  // one arrival per consumer warp of every CTA reading the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  if (CLUSTER > 1) cluster_sync();  // no multicast may reach a barrier before it is initialised
 
   if (warpgroup == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -117,69 +150,89 @@ gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ C
       asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream));
       int step = 0;
-      for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-        const int m_tile = unit % m_tiles;
-        const int n_tile = (unit / m_tiles) % n_tiles;
-        const int split = unit / (m_tiles * n_tiles);
+      for (int item = first_item; item < items; item += item_stride) {
+        const int m_tile = CLUSTER == 1 ? item % m_tiles : int(rank);
+        const int nk = CLUSTER == 1 ? item / m_tiles : item;
+        const int n_tile = nk % n_tiles, split = nk / n_tiles;
         for (int kb = split * k_blocks; kb < (split + 1) * k_blocks; ++kb, ++step) {
           const int stage = step % STAGES;
           if (step >= STAGES) mbar_wait(&s.empty[stage], ((step / STAGES) - 1) & 1);
           mbar_expect_tx(&s.full[stage], (BM + BN) * BK * 2);
           tma_load(&x_map, s.x[stage], &s.full[stage], kb * BK, m_tile * BM, keep);
-          tma_load(&w_map, s.w[stage], &s.full[stage], kb * BK, n_tile * BN, stream);
-        }
-      }
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int consumer = warpgroup - 1;
-  const int lane = threadIdx.x % 32;
-  const int warp = (threadIdx.x % 128) / 32;
-  float acc[BN / 2];
-  int step = 0;
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int m_tile = unit % m_tiles;
-    const int n_tile = (unit / m_tiles) % n_tiles;
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-      const int stage = step % STAGES;
-      mbar_wait(&s.full[stage], (step / STAGES) & 1);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      const uint64_t a = smem_desc(&s.x[stage][consumer * 64 * BK]);
-      const uint64_t b = smem_desc(&s.w[stage][0]);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) Wgmma<BN>::run(acc, a + 2 * kk, b + 2 * kk);  // +32 bytes a step
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      // keep this block's products in flight; the previous block's are done, so its stage can be refilled
-      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-      if (kb > 0 && lane == 0) mbar_arrive(&s.empty[(step - 1) % STAGES]);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if (lane == 0) mbar_arrive(&s.empty[(step - 1) % STAGES]);
-
-    // accumulator layout of m64nN: thread (warp, lane) holds rows warp*16 + lane/4 (+8), columns 8j + 2(lane%4)
-    const int row0 = m_tile * BM + consumer * 64 + warp * 16 + lane / 4;
-    const int col0 = n_tile * BN + 2 * (lane % 4);
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int col = col0 + 8 * j;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row0 + 8 * half;
-        if (row < M && col < N) {
-          const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-          if (SPLIT == 1) {
-            *reinterpret_cast<__nv_bfloat162*>(out + size_t(row) * N + col) = __floats2bfloat162_rn(v0, v1);
+          if (CLUSTER == 1) {
+            tma_load(&w_map, s.w[stage], &s.full[stage], kb * BK, n_tile * BN, stream);
           } else {
-            float* p = partial + size_t(row) * N + col;
-            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1) : "memory");
+            constexpr int rows = BN / CLUSTER;
+            tma_load_multicast(&w_map, &s.w[stage][rank * rows * BK], &s.full[stage], kb * BK,
+                               n_tile * BN + rank * rows, (1 << CLUSTER) - 1, stream);
           }
         }
       }
     }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int consumer = warpgroup - 1;
+    const int lane = threadIdx.x % 32;
+    const int warp = (threadIdx.x % 128) / 32;
+    float acc[BN / 2];
+    int step = 0;
+    auto release = [&](int stage) {
+      if (lane != 0) return;
+      if (CLUSTER == 1) {
+        mbar_arrive(&s.empty[stage]);
+      } else {
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(&s.empty[stage], r);
+      }
+    };
+    for (int item = first_item; item < items; item += item_stride) {
+      const int m_tile = CLUSTER == 1 ? item % m_tiles : int(rank);
+      const int nk = CLUSTER == 1 ? item / m_tiles : item;
+      const int n_tile = nk % n_tiles;
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+      for (int kb = 0; kb < k_blocks; ++kb, ++step) {
+        const int stage = step % STAGES;
+        mbar_wait(&s.full[stage], (step / STAGES) & 1);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        const uint64_t a = smem_desc(&s.x[stage][consumer * 64 * BK]);
+        const uint64_t b = smem_desc(&s.w[stage][0]);
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) Wgmma<BN>::run(acc, a + 2 * kk, b + 2 * kk);  // +32 bytes a step
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        // keep this block's products in flight; the previous block's are done, so its stage can be refilled
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        if (kb > 0) release((step - 1) % STAGES);
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      release((step - 1) % STAGES);
+
+      // accumulator layout of m64nN: thread (warp, lane) holds rows warp*16 + lane/4 (+8), columns 8j + 2(lane%4)
+      const int row0 = m_tile * BM + consumer * 64 + warp * 16 + lane / 4;
+      const int col0 = n_tile * BN + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = col0 + 8 * j;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = row0 + 8 * half;
+          if (row < M && col < N) {
+            const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+            if (SPLIT == 1) {
+              *reinterpret_cast<__nv_bfloat162*>(out + size_t(row) * N + col) = __floats2bfloat162_rn(v0, v1);
+            } else {
+              float* p = partial + size_t(row) * N + col;
+              asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1) : "memory");
+            }
+          }
+        }
+      }
+    }
+  }
+  // a CTA's shared memory must outlive the peer's last multicast into it and last arrival on its barriers
+  if (CLUSTER > 1) {
+    __syncwarp();
+    cluster_sync();
   }
 }
 
@@ -248,19 +301,37 @@ struct Problem {
   std::vector<CUtensorMap> w_maps;
 };
 
-template <int BN, int STAGES, int SPLIT>
+template <int BN, int STAGES, int SPLIT, int CLUSTER>
 void launch(const Problem& p, int copy, int num_sms, cudaStream_t stream) {
-  static bool configured = false;
+  auto kernel = gemm_kernel<BN, STAGES, SPLIT, CLUSTER>;
   const size_t smem = sizeof(Smem<BN, STAGES>) + 1024;
-  if (!configured) {
-    CHECK_CUDA(cudaFuncSetAttribute(gemm_kernel<BN, STAGES, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    int(smem)));
-    configured = true;
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = CLUSTER;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  static int max_ctas = 0;
+  if (!max_ctas) {
+    CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    if (CLUSTER > 1) CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    int clusters = 0;
+    config.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
+    CHECK_CUDA(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    max_ctas = std::min(clusters * CLUSTER, num_sms / CLUSTER * CLUSTER);
+    std::printf("    (tile %d x %d, %d stages, split %d, cluster %d: %d CTAs resident, %zu bytes of shared memory)\n",
+                BM, BN, STAGES, SPLIT, CLUSTER, max_ctas, smem);
   }
-  const int units = ((p.m + BM - 1) / BM) * ((p.n + BN - 1) / BN) * SPLIT;
+  const int m_tiles = (p.m + BM - 1) / BM;
+  const int items = ((p.n + BN - 1) / BN) * SPLIT * (CLUSTER == 1 ? m_tiles : 1);
+  config.gridDim = dim3(std::min(items * CLUSTER, max_ctas));
   if (SPLIT > 1) CHECK_CUDA(cudaMemsetAsync(p.partial, 0, size_t(p.m) * p.n * 4, stream));
-  gemm_kernel<BN, STAGES, SPLIT><<<std::min(units, num_sms), THREADS, smem, stream>>>(
-      p.x_map, p.w_maps[copy], p.out, p.partial, p.m, p.n, p.k);
+  CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p.x_map, p.w_maps[copy], p.out, p.partial, p.m, p.n, p.k));
   if (SPLIT > 1) to_bf16<<<num_sms * 4, 256, 0, stream>>>(p.partial, p.out, size_t(p.m) * p.n);
 }
 
@@ -296,10 +367,11 @@ float max_rel_err(const __nv_bfloat16* a, const __nv_bfloat16* b, size_t count) 
 struct Variant {
   const char* label;
   void (*run)(const Problem&, int, int, cudaStream_t);
-  int bn, split;
+  int bn, split, cluster;
 };
 
-#define VARIANT(BN, ST, SP) Variant{#BN "x" #ST "st split" #SP, launch<BN, ST, SP>, BN, SP}
+#define VARIANT(BN, ST, SP, CL) \
+  Variant{#BN " " #ST "st split" #SP " cluster" #CL, launch<BN, ST, SP, CL>, BN, SP, CL}
 
 }  // namespace
 
@@ -322,12 +394,14 @@ int main(int argc, char** argv) {
 
   struct Shape { const char* name; int n, k; std::vector<Variant> variants; };
   const std::vector<Shape> shapes = {
-      {"gate_up", 28672, 4096, {VARIANT(224, 4, 1), VARIANT(224, 5, 1), VARIANT(256, 4, 1), VARIANT(128, 6, 1),
-                                VARIANT(192, 5, 1)}},
-      {"lm_head", 128256, 4096, {VARIANT(256, 4, 1), VARIANT(224, 4, 1), VARIANT(192, 5, 1)}},
-      {"down", 4096, 14336, {VARIANT(256, 4, 4), VARIANT(128, 6, 2), VARIANT(128, 6, 4), VARIANT(256, 4, 2)}},
-      {"qkv", 6144, 4096, {VARIANT(192, 5, 2), VARIANT(256, 4, 2), VARIANT(128, 6, 2), VARIANT(192, 5, 1)}},
-      {"o_proj", 4096, 4096, {VARIANT(256, 4, 4), VARIANT(128, 6, 2), VARIANT(128, 6, 4), VARIANT(256, 4, 2)}},
+      {"gate_up", 28672, 4096, {VARIANT(224, 5, 1, 1), VARIANT(224, 5, 1, 2), VARIANT(224, 4, 1, 2),
+                                VARIANT(256, 4, 1, 2), VARIANT(128, 6, 1, 2)}},
+      {"lm_head", 128256, 4096, {VARIANT(224, 4, 1, 1), VARIANT(256, 4, 1, 2), VARIANT(224, 5, 1, 2),
+                                 VARIANT(128, 6, 1, 2)}},
+      {"down", 4096, 14336, {VARIANT(128, 6, 2, 1), VARIANT(128, 6, 2, 2), VARIANT(256, 4, 4, 2),
+                             VARIANT(64, 8, 1, 2)}},
+      {"qkv", 6144, 4096, {VARIANT(96, 7, 1, 1), VARIANT(96, 7, 1, 2), VARIANT(192, 5, 1, 2), VARIANT(192, 5, 2, 2)}},
+      {"o_proj", 4096, 4096, {VARIANT(64, 8, 1, 1), VARIANT(64, 8, 1, 2), VARIANT(128, 6, 2, 2)}},
   };
   for (const Shape& shape : shapes) {
     Problem p{m, shape.n, shape.k};
@@ -360,7 +434,8 @@ int main(int argc, char** argv) {
     for (const Variant& v : shape.variants) {
       if ((p.k / BK) % v.split) continue;
       p.w_maps.clear();
-      for (int c = 0; c < copies; ++c) p.w_maps.push_back(tensor_map(p.weights[c], p.n, p.k, v.bn));
+      if (v.cluster > 1 && (p.m + BM - 1) / BM > v.cluster) continue;
+      for (int c = 0; c < copies; ++c) p.w_maps.push_back(tensor_map(p.weights[c], p.n, p.k, v.bn / v.cluster));
       CHECK_CUDA(cudaMemsetAsync(p.out, 0, size_t(p.m) * p.n * 2, stream));
       v.run(p, 0, num_sms, stream);
       CHECK_CUDA(cudaStreamSynchronize(stream));
