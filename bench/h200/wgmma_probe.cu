@@ -120,14 +120,16 @@ struct Smem {
 
 // CLUSTER = 2: the two token tiles of a W tile run as a cluster, and each CTA loads half of the W tile and
 // multicasts it to both, halving W's traffic from L2 to the multiprocessors (needs M <= 2 * BM)
-template <int BN, int STAGES, int SPLIT, int CLUSTER>
+// SILU: W is a fused [gate; up] projection of 2I rows; a tile takes BN/2 gate rows and the same BN/2 up rows, and
+// the epilogue writes silu(gate) * up, [M, I], so the [M, 2I] product never goes to memory
+template <int BN, int STAGES, int SPLIT, int CLUSTER, bool SILU>
 __global__ void __launch_bounds__(THREADS, 1)
 gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
             __nv_bfloat16* __restrict__ out, float* __restrict__ partial, int M, int N, int K) {
   extern __shared__ uint8_t raw_smem[];
   auto& s = *reinterpret_cast<Smem<BN, STAGES>*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
   const int m_tiles = CLUSTER == 1 ? (M + BM - 1) / BM : CLUSTER;
-  const int n_tiles = (N + BN - 1) / BN;
+  const int n_tiles = SILU ? (N / 2) / (BN / 2) : (N + BN - 1) / BN;  // the host checks divisibility for SILU
   const int k_blocks = K / BK / SPLIT;  // the host checks divisibility
   const int warpgroup = threadIdx.x / 128;
   const uint32_t rank = CLUSTER == 1 ? 0 : cluster_rank();
@@ -161,7 +163,13 @@ gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ C
           if (step >= STAGES) mbar_wait(&s.empty[stage], ((step / STAGES) - 1) & 1);
           mbar_expect_tx(&s.full[stage], (BM + BN) * BK * 2);
           tma_load(&x_map, s.x[stage], &s.full[stage], kb * BK, m_tile * BM, keep);
-          if (CLUSTER == 1) {
+          if (SILU && CLUSTER == 1) {
+            tma_load(&w_map, s.w[stage], &s.full[stage], kb * BK, n_tile * (BN / 2), stream);
+            tma_load(&w_map, &s.w[stage][(BN / 2) * BK], &s.full[stage], kb * BK, N / 2 + n_tile * (BN / 2), stream);
+          } else if (SILU) {  // CTA 0 brings the gate rows to both, CTA 1 the up rows
+            tma_load_multicast(&w_map, &s.w[stage][rank * (BN / 2) * BK], &s.full[stage], kb * BK,
+                               int(rank) * (N / 2) + n_tile * (BN / 2), 3, stream);
+          } else if (CLUSTER == 1) {
             tma_load(&w_map, s.w[stage], &s.full[stage], kb * BK, n_tile * BN, stream);
           } else {
             constexpr int rows = BN / CLUSTER;
@@ -211,6 +219,28 @@ gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ C
 
       // accumulator layout of m64nN: thread (warp, lane) holds rows warp*16 + lane/4 (+8), columns 8j + 2(lane%4)
       const int row0 = m_tile * BM + consumer * 64 + warp * 16 + lane / 4;
+      if (SILU) {
+        const int out_cols = N / 2;
+        const int silu_col0 = n_tile * (BN / 2) + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < BN / 16; ++j) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = row0 + 8 * half;
+            if (row < M) {
+              float v[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float gate = acc[4 * j + 2 * half + e], up = acc[4 * (j + BN / 16) + 2 * half + e];
+                v[e] = gate / (1.f + __expf(-gate)) * up;
+              }
+              *reinterpret_cast<__nv_bfloat162*>(out + size_t(row) * out_cols + silu_col0 + 8 * j) =
+                  __floats2bfloat162_rn(v[0], v[1]);
+            }
+          }
+        }
+        continue;
+      }
       const int col0 = n_tile * BN + 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
@@ -235,6 +265,18 @@ gemm_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ C
   if (CLUSTER > 1) {
     __syncwarp();
     cluster_sync();
+  }
+}
+
+// the unfused baseline's second kernel: [M, 2I] -> silu(gate) * up, [M, I], bf16 in and out, fp32 math
+__global__ void silu_and_mul(const __nv_bfloat16* __restrict__ in, __nv_bfloat16* __restrict__ out, int m, int inter) {
+  const size_t pairs = size_t(m) * inter / 2;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < pairs; i += size_t(gridDim.x) * blockDim.x) {
+    const size_t row = i * 2 / inter, col = i * 2 % inter;
+    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in + row * 2 * inter + col));
+    const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(in + row * 2 * inter + inter + col));
+    *reinterpret_cast<__nv_bfloat162*>(out + row * inter + col) =
+        __floats2bfloat162_rn(g.x / (1.f + __expf(-g.x)) * u.x, g.y / (1.f + __expf(-g.y)) * u.y);
   }
 }
 
@@ -303,9 +345,9 @@ struct Problem {
   std::vector<CUtensorMap> w_maps;
 };
 
-template <int BN, int STAGES, int SPLIT, int CLUSTER>
+template <int BN, int STAGES, int SPLIT, int CLUSTER, bool SILU>
 void launch(const Problem& p, int copy, int num_sms, cudaStream_t stream) {
-  auto kernel = gemm_kernel<BN, STAGES, SPLIT, CLUSTER>;
+  auto kernel = gemm_kernel<BN, STAGES, SPLIT, CLUSTER, SILU>;
   const size_t smem = sizeof(Smem<BN, STAGES>) + 1024;
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attribute;
@@ -330,7 +372,8 @@ void launch(const Problem& p, int copy, int num_sms, cudaStream_t stream) {
                 BM, BN, STAGES, SPLIT, CLUSTER, max_ctas, smem);
   }
   const int m_tiles = (p.m + BM - 1) / BM;
-  const int items = ((p.n + BN - 1) / BN) * SPLIT * (CLUSTER == 1 ? m_tiles : 1);
+  const int n_tiles = SILU ? (p.n / 2) / (BN / 2) : (p.n + BN - 1) / BN;
+  const int items = n_tiles * SPLIT * (CLUSTER == 1 ? m_tiles : 1);
   config.gridDim = dim3(std::min(items * CLUSTER, max_ctas));
   config.numAttrs = CLUSTER > 1;  // is a cluster attribute of 1 what made the plain kernel ~20% slower?
   if (SPLIT > 1) CHECK_CUDA(cudaMemsetAsync(p.partial, 0, size_t(p.m) * p.n * 4, stream));
@@ -371,10 +414,13 @@ struct Variant {
   const char* label;
   void (*run)(const Problem&, int, int, cudaStream_t);
   int bn, split, cluster;
+  bool silu;
 };
 
 #define VARIANT(BN, ST, SP, CL) \
-  Variant{#BN " " #ST "st split" #SP " cluster" #CL, launch<BN, ST, SP, CL>, BN, SP, CL}
+  Variant{#BN " " #ST "st split" #SP " cluster" #CL, launch<BN, ST, SP, CL, false>, BN, SP, CL, false}
+#define SILU_VARIANT(BN, ST, CL) \
+  Variant{#BN " " #ST "st cluster" #CL " +silu", launch<BN, ST, 1, CL, true>, BN, 1, CL, true}
 
 }  // namespace
 
@@ -395,8 +441,10 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(&workspace, 32 << 20));
   cublasSetWorkspace(handle, workspace, 32 << 20);
 
-  struct Shape { const char* name; int n, k; std::vector<Variant> variants; };
+  struct Shape { const char* name; int n, k; std::vector<Variant> variants; bool silu = false; };
   const std::vector<Shape> shapes = {
+      {"gate_up+silu_and_mul", 28672, 4096, {SILU_VARIANT(224, 5, 1), SILU_VARIANT(224, 5, 2), SILU_VARIANT(224, 4, 2),
+                                             SILU_VARIANT(256, 4, 1), SILU_VARIANT(128, 6, 2)}, true},
       {"gate_up", 28672, 4096, {VARIANT(224, 5, 1, 1), VARIANT(224, 5, 1, 2), VARIANT(224, 4, 1, 2),
                                 VARIANT(256, 4, 1, 2), VARIANT(128, 6, 1, 2)}},
       {"lm_head", 128256, 4096, {VARIANT(224, 4, 1, 1), VARIANT(256, 4, 1, 2), VARIANT(224, 5, 1, 2),
@@ -430,25 +478,36 @@ int main(int argc, char** argv) {
                    CUDA_R_16BF, p.k, &beta, dst, CUDA_R_16BF, p.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     };
     const double flop = 2.0 * p.m * p.n * p.k;
-    const float base_us = time_us([&](int c) { cublas(c, p.out); }, copies, reps, stream);
+    const int inter = p.n / 2;
+    auto baseline = [&](int c, __nv_bfloat16* dst) {
+      if (!shape.silu) return cublas(c, dst);
+      cublas(c, p.out);  // out has room for [M, 2I]; the result goes to dst, [M, I]
+      silu_and_mul<<<num_sms * 8, 256, 0, stream>>>(p.out, dst, p.m, inter);
+    };
+    __nv_bfloat16* silu_out = nullptr;
+    if (shape.silu) CHECK_CUDA(cudaMalloc(&silu_out, size_t(p.m) * inter * 2));
+    const float base_us = time_us([&](int c) { baseline(c, shape.silu ? silu_out : p.out); }, copies, reps, stream);
     std::printf("M=%d %s N=%d K=%d: cuBLAS %.1f us %.0f TFLOP/s\n", p.m, shape.name, p.n, p.k, base_us,
                 flop / base_us / 1e6);
-    cublas(0, reference);
+    baseline(0, reference);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
     for (const Variant& v : shape.variants) {
       if ((p.k / BK) % v.split) continue;
       p.w_maps.clear();
       if (v.cluster > 1 && (p.m + BM - 1) / BM > v.cluster) continue;
-      for (int c = 0; c < copies; ++c) p.w_maps.push_back(tensor_map(p.weights[c], p.n, p.k, v.bn / v.cluster));
+      const int box_rows = v.silu ? v.bn / 2 : v.bn / v.cluster;
+      for (int c = 0; c < copies; ++c) p.w_maps.push_back(tensor_map(p.weights[c], p.n, p.k, box_rows));
       CHECK_CUDA(cudaMemsetAsync(p.out, 0, size_t(p.m) * p.n * 2, stream));
       v.run(p, 0, num_sms, stream);
       CHECK_CUDA(cudaStreamSynchronize(stream));
-      const float err = max_rel_err(p.out, reference, size_t(p.m) * p.n);
+      const float err = max_rel_err(p.out, reference, size_t(p.m) * (v.silu ? inter : p.n));
       const float us = time_us([&](int c) { v.run(p, c, num_sms, stream); }, copies, reps, stream);
       std::printf("  %-20s %.1f us %.0f TFLOP/s (%.3fx cuBLAS), max err %.1e of max |out|\n", v.label, us,
                   flop / us / 1e6, base_us / us, err);
     }
     // cuBLAS again, to see the clock drift over the shape's runs
-    const float again_us = time_us([&](int c) { cublas(c, p.out); }, copies, reps, stream);
+    const float again_us = time_us([&](int c) { baseline(c, shape.silu ? silu_out : p.out); }, copies, reps, stream);
+    cudaFree(silu_out);
     std::printf("  cuBLAS again %.1f us\n", again_us);
     for (auto* w : p.weights) cudaFree(w);
     cudaFree(p.x);
