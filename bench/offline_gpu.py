@@ -210,6 +210,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
+    parser.add_argument("--fused-gate-up-silu", action=argparse.BooleanOptionalAction, default=True,
+                        help="the gate_up GEMM with SiLU-and-mul in one Hopper kernel (engine/kernels/hopper_mlp.py)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true",
                         help="also print where the time went: steps with prompt tokens vs decode-only steps, "
@@ -230,7 +232,7 @@ def main() -> None:
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
-              async_scheduling=not args.sync)
+              async_scheduling=not args.sync, fused_gate_up_silu=args.fused_gate_up_silu)
     start_seconds = time.perf_counter() - started
     if args.gc_threshold is not None:
         import gc

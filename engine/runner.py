@@ -27,9 +27,11 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import GpuMemoryError, check_free_memory, gib, plan_gpu_memory, resolve_device
+from engine.kernels import hopper_mlp
 from engine.layers import cpu_kernels, kv_fp8
 from engine.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from engine.layers.linear import HeadSplit
+from engine.model.llama import MLP
 from engine.model.loader import build_model
 from engine.parallel.context import ParallelContext
 from engine.parallel.executor import StepInputs, TensorParallelWorkers, resolve_call
@@ -104,6 +106,10 @@ class ModelRunner:
         fused = backend_name == "triton" and self.device.type == "cuda"
         self.model = build_model(model_cfg, self.dtype, self.device, max_model_len, cfg.load_format, cfg.seed,
                                  fused_kernels=fused, parallel=parallel)
+        if fused and cfg.fused_gate_up_silu and hopper_mlp.device_supported(self.device):  # built before the graphs
+            for module in self.model.modules():
+                if isinstance(module, MLP):
+                    module.gate_up_silu = True
         self.backend = make_attention_backend(backend_name)
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and not parallel.is_parallel
         graph_batch = min(cfg.max_graph_batch_size, cfg.max_num_seqs) if use_graphs else 0

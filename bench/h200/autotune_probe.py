@@ -75,7 +75,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 err = (compiled(x, weights[0]).float() - reference).abs().max().item()
                 print(f"  inductor autotune took {time.perf_counter() - t0:.0f} s", flush=True)
-                results[f"inductor err={err:.1e}"] = time_ms(lambda w, x=x: compiled(x, w), weights, args.reps)
+                results[f"inductor err={err:.1e}"] = time_ms(lambda w, x=x, fn=compiled: fn(x, w), weights, args.reps)
             except Exception as e:  # noqa: BLE001
                 print(f"  inductor: {type(e).__name__}: {str(e)[:300]}")
             print(f"M={m} {name} N={n} K={k}: " + ", ".join(

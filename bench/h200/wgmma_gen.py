@@ -16,7 +16,8 @@ def wrapper(n: int) -> str:
     return (
         f"__device__ __forceinline__ void wgmma_n{n}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b) {{\n"
         f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
-        f"    \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{names}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n\"\n"
+        f"    \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{names}}}, "
+        f"%{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n\"\n"
         f"    : {operands}\n"
         f"    : \"l\"(desc_a), \"l\"(desc_b));\n"
         f"}}\n"

@@ -6,4 +6,6 @@ Modules (each imports triton; this package's __init__ does not):
 - backend: TritonAttention (an engine.layers.attention.AttentionBackend)
 - reference: plain-torch twins of every kernel, the tests' oracle
 On CPU they run under Triton's interpreter: TRITON_INTERPRET=1 must be set before triton is imported.
+- hopper_mlp: the MLP's gate_up GEMM with SiLU-and-mul in its epilogue, CUDA C++ for Hopper (hopper_mlp.cu), built
+  with nvcc at first use and called through ctypes; imports no triton
 """

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kernels import hopper_mlp
 from engine.layers import cpu_kernels
 from engine.layers.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.layers.basic import RMSNorm, RotaryEmbedding, linear, silu_and_mul
@@ -84,8 +85,12 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, cfg.mlp_bias, parallel)
         self.fused = fused
+        self.gate_up_silu = False  # the Hopper kernel of engine/kernels/hopper_mlp.py: the runner turns it on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.gate_up_proj.weight
+        if self.gate_up_silu and self.gate_up_proj.bias is None and hopper_mlp.usable(x, weight):
+            return self.down_proj(hopper_mlp.gate_up_silu(x, weight))
         gate_up = self.gate_up_proj(x)  # cuBLAS reads this wide one at the bandwidth already, even for one token
         if self.fused and x.shape[0] == 1:
             return linear(self.down_proj, gate_up, self.fused, silu_mul_input=True)
