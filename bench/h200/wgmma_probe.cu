@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "wgmma_ops.h"
@@ -426,7 +427,7 @@ struct Variant {
 
 int main(int argc, char** argv) {
   const int m = argc > 1 ? std::atoi(argv[1]) : 256;
-  const int reps = 200;
+  const int reps = m > 1024 ? 20 : 200;
   int num_sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
@@ -454,7 +455,9 @@ int main(int argc, char** argv) {
       {"qkv", 6144, 4096, {VARIANT(96, 7, 1, 1), VARIANT(96, 7, 1, 2), VARIANT(192, 5, 1, 2), VARIANT(192, 5, 2, 2)}},
       {"o_proj", 4096, 4096, {VARIANT(64, 8, 1, 1), VARIANT(64, 8, 1, 2), VARIANT(128, 6, 2, 2)}},
   };
+  const char* only = argc > 2 ? argv[2] : nullptr;  // a shape name: only that shape
   for (const Shape& shape : shapes) {
+    if (only && std::string(shape.name) != only) continue;
     Problem p{m, shape.n, shape.k};
     const size_t w_elems = size_t(p.n) * p.k;
     const int copies = std::max<int>(2, int((600ull << 20) / (w_elems * 2)) + 1);

@@ -9,6 +9,8 @@ inc="-I$cublas/include"; lib="-L$cublas/lib -Xlinker -rpath=$cublas/lib"
 [ -e "$cublas/lib/libcublas.so" ] || { ln -sf "$(ls $cublas/lib/libcublas.so.* | head -1)" /tmp/libcublas.so; lib="$lib -L/tmp"; }
 nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_probe bench/h200/wgmma_probe.cu $inc $lib -lcublas 2>&1 | grep -v "^$" | head -20
 echo "nvcc rc=${PIPESTATUS[0]}"
-for m in "${@:-256}"; do
-  timeout 200 /tmp/wgmma_probe "$m" 2>&1 | tee -a $OUT/wgmma.log; echo "probe M=$m rc=${PIPESTATUS[0]}"
+# arguments: M or M:shape (e.g. 8192:gate_up+silu_and_mul)
+for arg in "${@:-256}"; do
+  timeout 200 /tmp/wgmma_probe ${arg%%:*} $([ "${arg#*:}" != "$arg" ] && echo "${arg#*:}") 2>&1 | grep -v "CTAs resident" \
+    | tee -a $OUT/wgmma.log; echo "probe $arg rc=${PIPESTATUS[0]}"
 done
