@@ -27,5 +27,6 @@ if [ "${2:-decode}" = decode ]; then
     echo "decode_step $flag rc=$?"; grep -E "^\| [0-9]+ x |^\| [0-9]+ \|" $log
   done
 fi
+timeout 120 python3 bench/h200/hopper_mlp_probe.py 2>&1 | grep -v Warning
 [ "${3:-nosuite}" = suite ] && bash bench/h200/gpu_tests.sh
 exit 0

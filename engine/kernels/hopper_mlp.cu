@@ -9,7 +9,7 @@
 // mbarriers; two consumer warpgroups multiply 64 tokens each by those 224 rows with wgmma m64n224k16 (both
 // operands K-major in shared memory), keeping one wgmma group in flight. A thread's accumulators hold gate column
 // c and up column c together (columns j and j + 14 of the n8 blocks), so the epilogue needs no exchange. Tiles are
-// numbered token tile fastest: the CTAs sharing a W tile run together and W is read from HBM once.
+// ordered so that the CTAs sharing a W tile run together and W is read from HBM once (tile_coords).
 //
 // The epilogue rounds as engine/kernels/layers.silu_and_mul does after a bf16 GEMM (gate and up to bf16, SiLU in
 // float32 rounded to bf16, the product in float32 rounded to bf16), with the same approximate exp and division as
@@ -113,13 +113,28 @@ struct Smem {
 
 constexpr size_t SMEM_BYTES = sizeof(Smem) + 1024;  // + room to align the base to 1024
 
+// Tile order: groups of GROUP_M token tiles, token tile fastest within a group, so that the CTAs running at once
+// share few W tiles and few x tiles (both stay in L2 across a prompt step's many tiles). A decode batch has <= 2
+// token tiles: then it is simply token tile fastest, the CTAs sharing a W tile running together.
+constexpr int GROUP_M = 8;
+
+__device__ __forceinline__ void tile_coords(int tile, int m_tiles, int n_tiles, int& m_tile, int& n_tile) {
+  const int per_group = GROUP_M * n_tiles;
+  const int first_m = tile / per_group * GROUP_M;
+  const int size = min(GROUP_M, m_tiles - first_m);
+  const int rest = tile % per_group;
+  m_tile = first_m + rest % size;
+  n_tile = rest / size;
+}
+
 __global__ void __launch_bounds__(THREADS, 1)
 gate_up_silu_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                     __nv_bfloat16* __restrict__ out, int M, int inter, int K) {
   extern __shared__ uint8_t raw_smem[];
   auto& s = *reinterpret_cast<Smem*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
   const int m_tiles = (M + BM - 1) / BM;
-  const int tiles = m_tiles * (inter / HALF);
+  const int n_tiles = inter / HALF;
+  const int tiles = m_tiles * n_tiles;
   const int k_blocks = K / BK;
   const int warpgroup = threadIdx.x / 128;
 
@@ -140,7 +155,8 @@ gate_up_silu_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_cons
       asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream));
       int step = 0;
       for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int m_tile = tile % m_tiles, n_tile = tile / m_tiles;
+        int m_tile, n_tile;
+        tile_coords(tile, m_tiles, n_tiles, m_tile, n_tile);
         for (int kb = 0; kb < k_blocks; ++kb, ++step) {
           const int stage = step % STAGES;
           if (step >= STAGES) mbar_wait(&s.empty[stage], ((step / STAGES) - 1) & 1);
@@ -161,7 +177,8 @@ gate_up_silu_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_cons
   float acc[BN / 2];
   int step = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int m_tile = tile % m_tiles, n_tile = tile / m_tiles;
+    int m_tile, n_tile;
+    tile_coords(tile, m_tiles, n_tiles, m_tile, n_tile);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     for (int kb = 0; kb < k_blocks; ++kb, ++step) {
