@@ -212,6 +212,8 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--fused-gate-up-silu", action=argparse.BooleanOptionalAction, default=True,
                         help="the gate_up GEMM with SiLU-and-mul in one Hopper kernel (engine/kernels/hopper_mlp.py)")
+    parser.add_argument("--fused-max-rows", type=int, default=None,
+                        help="take the fused kernel up to this many rows (prompt steps too), not the engine's limit")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace", action="store_true",
                         help="also print where the time went: steps with prompt tokens vs decode-only steps, "
@@ -228,6 +230,10 @@ def main() -> None:
     flops = matmul_rate()
     config_dir = Path(tempfile.mkdtemp())
     (config_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    if args.fused_max_rows is not None:
+        from engine.kernels import hopper_mlp
+
+        hopper_mlp.MAX_ROWS = args.fused_max_rows
     started = time.perf_counter()
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens,

@@ -11,9 +11,11 @@ print('kernel built and loaded:', hopper_mlp.device_supported(torch.device('cuda
 TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider --no-header --tb=short \
   tests/kernels/test_hopper_mlp.py > $OUT/hopper-mlp-tests.log 2>&1 || { echo "tests failed:"; tail -40 $OUT/hopper-mlp-tests.log; exit 1; }
 tail -1 $OUT/hopper-mlp-tests.log
+[ "${PROBE_FIRST:-1}" = 1 ] && timeout 120 python3 bench/h200/hopper_mlp_probe.py 2>&1 | grep -v Warning
 if [ "${1:-nooffline}" = offline ]; then
   n=0
-  flags=(--no-fused-gate-up-silu --fused-gate-up-silu --no-fused-gate-up-silu --fused-gate-up-silu)
+  flags=(--no-fused-gate-up-silu --fused-gate-up-silu "--fused-gate-up-silu --fused-max-rows 8192"
+         --no-fused-gate-up-silu --fused-gate-up-silu "--fused-gate-up-silu --fused-max-rows 8192")
   for flag in "${flags[@]:0:${OFFLINE_RUNS:-4}}"; do
     n=$((n + 1))
     timeout 110 python3 bench/offline_gpu.py --trace $flag > $OUT/offline-$n.log 2>&1; echo "offline $n $flag rc=$?"
@@ -27,6 +29,5 @@ if [ "${2:-decode}" = decode ]; then
     echo "decode_step $flag rc=$?"; grep -E "^\| [0-9]+ x |^\| [0-9]+ \|" $log
   done
 fi
-timeout 120 python3 bench/h200/hopper_mlp_probe.py 2>&1 | grep -v Warning
 [ "${3:-nosuite}" = suite ] && bash bench/h200/gpu_tests.sh
 exit 0
