@@ -23,6 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("hopper_mlp.cu")
+HEADERS = [Path(__file__).with_name("hopper_ptx.cuh")]
 BLOCK_K = 64  # the kernel's K block
 HALF_TILE = 112  # gate (and up) rows a tile takes
 # The decode batches it was measured to win at (H100: 1.11x at 128, 1.25x at 256); elsewhere cuBLAS + SiLU-and-mul
@@ -44,7 +45,8 @@ def _build(nvcc: str) -> Path:
     """The shared library for this source and compiler, built once per user (atomic rename: concurrent builders,
     e.g. tensor-parallel workers, each write their own file and the last rename wins)."""
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
+    key = hashlib.sha256(sources + version.encode()).hexdigest()[:16]
     cache = Path.home() / ".cache" / "tandem" / "kernels"
     target = cache / f"hopper_mlp-{key}.so"
     if target.exists():
