@@ -257,7 +257,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode
     max_graph_batch_size: int = 256  # larger decode batches run eagerly
     # Hopper GPUs: the MLP's gate_up GEMM with SiLU-and-mul in its epilogue, one kernel, at decode batches of
-    # 128-256 (engine/kernels/hopper_mlp.py, built with nvcc at start-up; without nvcc, cuBLAS + SiLU-and-mul)
+    # 64-512 (engine/kernels/hopper_mlp.py, built with nvcc at start-up; without nvcc, cuBLAS + SiLU-and-mul)
     fused_gate_up_silu: bool = True
     # Schedule and launch step N+1 before reading step N's sampled tokens, so the host's work (scheduling,
     # input packing, output bookkeeping) overlaps the device's; outputs then come one step() later, and an

@@ -1,10 +1,11 @@
 """The MLP's gate_up projection with SiLU-and-mul fused into its epilogue, on Hopper GPUs (hopper_mlp.cu).
 
-At decode batches of 128-256 the gate_up GEMM is compute-bound, and cuBLAS's GEMM followed by the SiLU-and-mul
-kernel writes and re-reads the [M, 2I] product; the fused kernel writes only [M, I] and runs the whole projection
-1.1-1.25x faster on an H100 (bench/h200/wgmma_probe.cu). The CUDA source is built with nvcc at first use into a
-per-user cache and called through ctypes (no torch C++ extension, so no ABI to match); where it cannot be built
-or loaded, or the shape is not one it takes, `usable` says no and the caller keeps F.linear + SiLU-and-mul.
+At decode batches of 64-512 the gate_up GEMM is (nearly) compute-bound, and cuBLAS's GEMM followed by the
+SiLU-and-mul kernel writes and re-reads the [M, 2I] product; the fused kernel writes only [M, I] and runs the whole
+projection 1.03-1.17x faster on an H100 (bench/h200/hopper_mlp_probe.py), with bit-equal outputs there. The CUDA
+source is built with nvcc at first use into a per-user cache and called through ctypes (no torch C++ extension, so
+no ABI to match); where it cannot be built or loaded, or the shape is not one it takes, `usable` says no and the
+caller keeps F.linear + SiLU-and-mul.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ SOURCE = Path(__file__).with_name("hopper_mlp.cu")
 HEADERS = [Path(__file__).with_name("hopper_ptx.cuh")]
 BLOCK_K = 64  # the kernel's K block
 HALF_TILE = 112  # gate (and up) rows a tile takes
-# The decode batches it was measured to win at (H100: 1.11x at 128, 1.25x at 256); elsewhere cuBLAS + SiLU-and-mul
-MIN_ROWS, MAX_ROWS = 128, 256
+# The row counts it was measured to win at against cuBLAS + SiLU-and-mul (bench/h200/hopper_mlp_probe.py, H100:
+# 1.03x at 64, 1.07x at 128, 1.17x at 256, 1.03x at 512; even at 1024, 0.98x at 2048-4096, 0.90x at 8192, where
+# cuBLAS's larger tiles win): decode batches, not prompt steps
+MIN_ROWS, MAX_ROWS = 64, 512
 
 _library: ctypes.CDLL | None = None
 _load_failed = False

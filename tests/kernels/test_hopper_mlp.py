@@ -77,12 +77,12 @@ def test_at_llama_8b_shape_inside_a_cuda_graph() -> None:
 def test_refuses_what_it_does_not_take() -> None:
     _hopper()
     x, weight = _operands(128, 1024, 336)
-    assert not hopper_mlp.usable(x[:64], weight)  # below the batch it was measured to win at
-    assert not hopper_mlp.usable(torch.cat([x, x, x]), weight)  # above
+    assert not hopper_mlp.usable(x[:32], weight)  # below the batches it was measured to win at
+    assert not hopper_mlp.usable(torch.cat([x] * 5), weight)  # above (640 rows)
     assert not hopper_mlp.usable(x.half(), weight.half())
     assert not hopper_mlp.usable(x[:, :1000], weight[:, :1000])  # K not a multiple of 64
     assert not hopper_mlp.usable(x, weight[:, :1000])  # widths that differ
     assert not hopper_mlp.usable(x, weight[:2 * 300])  # I not a multiple of 112
     assert not hopper_mlp.usable(x.t().contiguous().t(), weight)  # not row-major
     with pytest.raises(ValueError, match="does not take"):
-        hopper_mlp.gate_up_silu(x[:64], weight)
+        hopper_mlp.gate_up_silu(x[:32], weight)
