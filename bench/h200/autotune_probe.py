@@ -10,31 +10,18 @@ Weights rotate over enough copies to exceed L2, as in a step where the other lay
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.h200.graph_timing import graph_time_ms  # noqa: E402
+
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-
-
-def time_ms(fn, weights: list[torch.Tensor], reps: int) -> float:
-    for w in weights[:3]:
-        fn(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # no host time in the number, as in the engine's decode graphs
-        for i in range(reps):
-            fn(weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def main() -> None:
@@ -61,11 +48,11 @@ def main() -> None:
             flop = 2 * m * n * k
             reference = F.linear(x, weights[0]).float()
             results: dict[str, float] = {}
-            results["F.linear"] = time_ms(lambda w, x=x: F.linear(x, w), weights, args.reps)
+            results["F.linear"] = graph_time_ms(lambda w, x=x: F.linear(x, w), weights, args.reps)
             try:
                 grouped = lambda w, x=x: torch._grouped_mm(x.unsqueeze(0), w.t().unsqueeze(0))[0]  # noqa: E731
                 err = (grouped(weights[0]).float() - reference).abs().max().item()
-                results[f"grouped_mm err={err:.1e}"] = time_ms(grouped, weights, args.reps)
+                results[f"grouped_mm err={err:.1e}"] = graph_time_ms(grouped, weights, args.reps)
             except Exception as e:  # noqa: BLE001 - an op this torch lacks is reported, not fatal
                 print(f"  grouped_mm: {type(e).__name__}: {str(e)[:200]}")
             try:
@@ -75,7 +62,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 err = (compiled(x, weights[0]).float() - reference).abs().max().item()
                 print(f"  inductor autotune took {time.perf_counter() - t0:.0f} s", flush=True)
-                results[f"inductor err={err:.1e}"] = time_ms(lambda w, x=x, fn=compiled: fn(x, w), weights, args.reps)
+                results[f"inductor err={err:.1e}"] = graph_time_ms(lambda w, x=x, fn=compiled: fn(x, w), weights,
+                                                                   args.reps)
             except Exception as e:  # noqa: BLE001
                 print(f"  inductor: {type(e).__name__}: {str(e)[:300]}")
             print(f"M={m} {name} N={n} K={k}: " + ", ".join(

@@ -1,7 +1,7 @@
 """engine/kernels/hopper_mlp.py's fused gate_up + SiLU-and-mul against what it replaces (F.linear, i.e. cuBLAS,
 then engine/kernels/layers.silu_and_mul), Llama-3.1-8B's MLP shape, at decode and prompt-step row counts, each in
 a CUDA graph with the weights rotating over copies larger than L2. Answers at which batch sizes the engine should
-take the fused kernel (it ships for 128-256 rows, where it was measured first).
+take the fused kernel (it ships for 64-512 rows, where this measured it to win on an H100).
 
     python3 bench/h200/hopper_mlp_probe.py [--rows 64,128,256,512,1024,2048,4096,8192]
 """
@@ -16,28 +16,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.h200.graph_timing import graph_time_ms  # noqa: E402
 from engine.kernels import hopper_mlp  # noqa: E402
 from engine.kernels.layers import silu_and_mul  # noqa: E402
 
 HIDDEN, INTER = 4096, 14336
-
-
-def time_us(fn, weights: list[torch.Tensor], reps: int) -> float:
-    for w in weights[:3]:
-        fn(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
 
 
 def main() -> None:
@@ -53,8 +36,8 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
         reps = max(5, min(100, 20000 // rows))
-        unfused = time_us(lambda w, x=x: silu_and_mul(F.linear(x, w)), weights, reps)
-        fused = time_us(lambda w, x=x: hopper_mlp.gate_up_silu(x, w), weights, reps)
+        unfused = 1e3 * graph_time_ms(lambda w, x=x: silu_and_mul(F.linear(x, w)), weights, reps)
+        fused = 1e3 * graph_time_ms(lambda w, x=x: hopper_mlp.gate_up_silu(x, w), weights, reps)
         equal = (hopper_mlp.gate_up_silu(x, weights[0]) == silu_and_mul(F.linear(x, weights[0]))).float().mean()
         flop = 2 * rows * 2 * INTER * HIDDEN
         print(f"| {rows} | {unfused:.1f} | {fused:.1f} | {unfused / fused:.3f} | {flop / fused / 1e6:.0f} | "

@@ -14,8 +14,8 @@ tail -1 $OUT/hopper-mlp-tests.log
 [ "${PROBE_FIRST:-1}" = 1 ] && timeout 120 python3 bench/h200/hopper_mlp_probe.py 2>&1 | grep -v Warning
 if [ "${1:-nooffline}" = offline ]; then
   n=0
-  flags=(--no-fused-gate-up-silu --fused-gate-up-silu "--fused-gate-up-silu --fused-max-rows 8192"
-         --no-fused-gate-up-silu --fused-gate-up-silu "--fused-gate-up-silu --fused-max-rows 8192")
+  flags=(--no-fused-gate-up-silu --fused-gate-up-silu --no-fused-gate-up-silu --fused-gate-up-silu
+         "--fused-gate-up-silu --fused-max-rows 8192" "--fused-gate-up-silu --fused-max-rows 8192")
   for flag in "${flags[@]:0:${OFFLINE_RUNS:-4}}"; do
     n=$((n + 1))
     timeout 110 python3 bench/offline_gpu.py --trace $flag > $OUT/offline-$n.log 2>&1; echo "offline $n $flag rc=$?"

@@ -90,8 +90,9 @@ def _load() -> ctypes.CDLL | None:
 
 
 def shape_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes these operands (not whether it can be built): bf16, contiguous, 16-byte aligned,
-    K a multiple of 64, I a multiple of 112, a Hopper GPU, and a row count it was measured to win at."""
+    """Whether the kernel takes these operands: bf16 on a GPU, contiguous, 16-byte aligned, K a multiple of 64,
+    I a multiple of 112, and a row count it was measured to win at. Not whether the GPU is a Hopper one or the
+    kernel builds (`device_supported`, asked once per engine): this is the per-step check."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
             and weight.dim() == 2 and x.device == weight.device):
         return False
@@ -99,7 +100,7 @@ def shape_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     width, weight_k = weight.shape
     return (MIN_ROWS <= rows <= MAX_ROWS and k == weight_k and k % BLOCK_K == 0 and width % (2 * HALF_TILE) == 0
             and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(x.device) == (9, 0))
+            and weight.data_ptr() % 16 == 0)
 
 
 def device_supported(device: torch.device) -> bool:
@@ -109,12 +110,12 @@ def device_supported(device: torch.device) -> bool:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return shape_supported(x, weight) and _load() is not None
+    return shape_supported(x, weight) and device_supported(x.device)
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; weight: [2I, K] (gate rows then up rows) -> silu(x @ gate^T) * (x @ up^T): [M, I]. Callers
-    check `usable` first."""
+    check `usable` (or `device_supported` once and `shape_supported` per call) first."""
     library = _load()
     if library is None or not shape_supported(x, weight):
         raise ValueError(f"gate_up_silu does not take x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}")

@@ -88,9 +88,10 @@ class MLP(nn.Module):
         self.gate_up_silu = False  # the Hopper kernel of engine/kernels/hopper_mlp.py: the runner turns it on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (the flag first: on the CPU the projection may be a packed layer with no `weight`)
+        # the flag first (on the CPU the projection may be a packed layer with no `weight`); the runner set it only
+        # where hopper_mlp.device_supported, so only the shape is left to check here
         if (self.gate_up_silu and self.gate_up_proj.bias is None
-                and hopper_mlp.usable(x, self.gate_up_proj.weight)):
+                and hopper_mlp.shape_supported(x, self.gate_up_proj.weight)):
             return self.down_proj(hopper_mlp.gate_up_silu(x, self.gate_up_proj.weight))
         gate_up = self.gate_up_proj(x)  # cuBLAS reads this wide one at the bandwidth already, even for one token
         if self.fused and x.shape[0] == 1:
