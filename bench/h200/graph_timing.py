@@ -1,5 +1,5 @@
 """The GEMM probes' timer: a CUDA graph of `reps` calls, so that no host time is in the number (as in the engine's
-decode graphs), with the weights rotating over copies larger than L2 so that every call reads them from HBM."""
+decode graphs). Callers pass enough weight copies to exceed L2, so that every call reads its weight from HBM."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ At decode batches of 64-512 the gate_up GEMM is (nearly) compute-bound, and cuBL
 SiLU-and-mul kernel writes and re-reads the [M, 2I] product; the fused kernel writes only [M, I] and runs the whole
 projection 1.03-1.17x faster on an H100 (bench/h200/hopper_mlp_probe.py), with bit-equal outputs there. The CUDA
 source is built with nvcc at first use into a per-user cache and called through ctypes (no torch C++ extension, so
-no ABI to match); where it cannot be built or loaded, or the shape is not one it takes, `usable` says no and the
-caller keeps F.linear + SiLU-and-mul.
+no ABI to match); where it cannot be built or loaded (`device_supported`, asked once) or the shape is not one it
+takes (`shape_supported`, asked per step), the caller keeps F.linear + SiLU-and-mul.
 """
 
 from __future__ import annotations
@@ -109,16 +109,14 @@ def device_supported(device: torch.device) -> bool:
             and _load() is not None)
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return shape_supported(x, weight) and device_supported(x.device)
-
-
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; weight: [2I, K] (gate rows then up rows) -> silu(x @ gate^T) * (x @ up^T): [M, I]. Callers
-    check `usable` (or `device_supported` once and `shape_supported` per call) first."""
-    library = _load()
+    check `device_supported` once and `shape_supported` per call; operands it does not take are a ValueError here,
+    never a launch on pointers the kernel cannot read."""
+    library = _load() if device_supported(x.device) else None
     if library is None or not shape_supported(x, weight):
-        raise ValueError(f"gate_up_silu does not take x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}")
+        raise ValueError(f"gate_up_silu does not take x {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"weight {tuple(weight.shape)}")
     rows, k = x.shape
     out = torch.empty(rows, weight.shape[0] // 2, dtype=x.dtype, device=x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream

@@ -29,7 +29,8 @@ def test_not_usable_off_hopper_or_off_shape() -> None:
     x, weight = _operands(128, 128, 112, device="cpu")
     assert not hopper_mlp.device_supported(torch.device("cpu"))
     assert not hopper_mlp.shape_supported(x, weight)
-    assert not hopper_mlp.usable(x, weight)
+    with pytest.raises(ValueError, match="does not take"):
+        hopper_mlp.gate_up_silu(x, weight)
 
 
 @gpu
@@ -39,7 +40,7 @@ def test_equals_cublas_then_silu_and_mul(rows: int) -> None:
     against float64 math. 200 rows leaves a partial token tile; 336 = 3 x 112 features, K = 1024 is 16 blocks."""
     _hopper()
     x, weight = _operands(rows, 1024, 336)
-    assert hopper_mlp.usable(x, weight)
+    assert hopper_mlp.shape_supported(x, weight)
     out = hopper_mlp.gate_up_silu(x, weight)
     unfused = silu_and_mul(torch.nn.functional.linear(x, weight))
     assert out.shape == (rows, 336) and out.dtype == torch.bfloat16
@@ -77,12 +78,12 @@ def test_at_llama_8b_shape_inside_a_cuda_graph() -> None:
 def test_refuses_what_it_does_not_take() -> None:
     _hopper()
     x, weight = _operands(128, 1024, 336)
-    assert not hopper_mlp.usable(x[:32], weight)  # below the batches it was measured to win at
-    assert not hopper_mlp.usable(torch.cat([x] * 5), weight)  # above (640 rows)
-    assert not hopper_mlp.usable(x.half(), weight.half())
-    assert not hopper_mlp.usable(x[:, :1000], weight[:, :1000])  # K not a multiple of 64
-    assert not hopper_mlp.usable(x, weight[:, :1000])  # widths that differ
-    assert not hopper_mlp.usable(x, weight[:2 * 300])  # I not a multiple of 112
-    assert not hopper_mlp.usable(x.t().contiguous().t(), weight)  # not row-major
+    assert not hopper_mlp.shape_supported(x[:32], weight)  # below the batches it was measured to win at
+    assert not hopper_mlp.shape_supported(torch.cat([x] * 5), weight)  # above (640 rows)
+    assert not hopper_mlp.shape_supported(x.half(), weight.half())
+    assert not hopper_mlp.shape_supported(x[:, :1000], weight[:, :1000])  # K not a multiple of 64
+    assert not hopper_mlp.shape_supported(x, weight[:, :1000])  # widths that differ
+    assert not hopper_mlp.shape_supported(x, weight[:2 * 300])  # I not a multiple of 112
+    assert not hopper_mlp.shape_supported(x.t().contiguous().t(), weight)  # not row-major
     with pytest.raises(ValueError, match="does not take"):
         hopper_mlp.gate_up_silu(x[:32], weight)
