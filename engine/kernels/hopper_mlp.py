@@ -31,6 +31,9 @@ HALF_TILE = 112  # gate (and up) rows a tile takes
 # 1.03x at 64, 1.07x at 128, 1.17x at 256, 1.03x at 512; even at 1024, 0.98x at 2048-4096, 0.90x at 8192, where
 # cuBLAS's larger tiles win): decode batches, not prompt steps
 MIN_ROWS, MAX_ROWS = 64, 512
+DOWN_TILE = 128  # W rows (output features) a down_proj tile takes
+# PROVISIONAL until measured: the rows where the split-K down_proj beats cuBLAS
+DOWN_MIN_ROWS, DOWN_MAX_ROWS = 64, 256
 
 _library: ctypes.CDLL | None = None
 _load_failed = False
@@ -82,25 +85,34 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("the fused gate_up + SiLU-and-mul kernel is off (cuBLAS + SiLU-and-mul instead): %s", detail)
         _load_failed = True
         return None
-    library.tandem_gate_up_silu.restype = ctypes.c_int
-    library.tandem_gate_up_silu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    for entry in (library.tandem_gate_up_silu, library.tandem_down_proj):
+        entry.restype = ctypes.c_int
+        entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     _library = library
     return library
+
+
+def _operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """bf16 on one GPU, 2-D, contiguous, 16-byte aligned (what a TMA tensor map reads), K equal and a multiple of 64."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
+            and weight.dim() == 2 and x.device == weight.device and x.shape[1] == weight.shape[1]
+            and x.shape[1] % BLOCK_K == 0 and x.is_contiguous() and weight.is_contiguous()
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
 def shape_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernel takes these operands: bf16 on a GPU, contiguous, 16-byte aligned, K a multiple of 64,
     I a multiple of 112, and a row count it was measured to win at. Not whether the GPU is a Hopper one or the
     kernel builds (`device_supported`, asked once per engine): this is the per-step check."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2
-            and weight.dim() == 2 and x.device == weight.device):
-        return False
-    rows, k = x.shape
-    width, weight_k = weight.shape
-    return (MIN_ROWS <= rows <= MAX_ROWS and k == weight_k and k % BLOCK_K == 0 and width % (2 * HALF_TILE) == 0
-            and x.is_contiguous() and weight.is_contiguous() and x.data_ptr() % 16 == 0
-            and weight.data_ptr() % 16 == 0)
+    return (_operands(x, weight) and MIN_ROWS <= x.shape[0] <= MAX_ROWS
+            and weight.shape[0] % (2 * HALF_TILE) == 0)
+
+
+def down_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `down_proj` takes these operands: as `shape_supported`, N a multiple of 128 and a row count where
+    the split-K kernel was measured to win (per step; the device is `device_supported`'s)."""
+    return _operands(x, weight) and DOWN_MIN_ROWS <= x.shape[0] <= DOWN_MAX_ROWS and weight.shape[0] % DOWN_TILE == 0
 
 
 def device_supported(device: torch.device) -> bool:
@@ -124,4 +136,22 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                                       x.device.index, stream)
     if err:
         raise RuntimeError(f"gate_up_silu kernel failed with code {err}")
+    return out
+
+
+def down_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [M, K]; weight: [N, K] -> x @ weight^T: [M, N], split-K over a cluster (hopper_mlp.cu's down_kernel), the
+    sum in float32 in another order than cuBLAS's. Callers check `device_supported` once and `down_supported` per
+    call; operands it does not take are a ValueError here."""
+    library = _load() if device_supported(x.device) else None
+    if library is None or not down_supported(x, weight):
+        raise ValueError(f"down_proj does not take x {tuple(x.shape)} {x.dtype} on {x.device}, "
+                         f"weight {tuple(weight.shape)}")
+    rows, k = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    err = library.tandem_down_proj(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], k,
+                                   x.device.index, stream)
+    if err:
+        raise RuntimeError(f"down_proj kernel failed with code {err}")
     return out
