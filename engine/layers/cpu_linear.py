@@ -11,9 +11,9 @@ engine/layers/cpu_linear.cpp instead: the same arithmetic (pairs of bf16 product
 VDPBF16PS, the output rounded to bf16), 1.8x oneDNN's speed at 8 rows and equal to it at a 2048-token prefill,
 where both run at the cores' peak (bench/results/engine-speed-2026-12-04-evening.md).
 
-float16 has no oneDNN path without AVX512-FP16 or AVX-NE-CONVERT: such a layer is packed as float32 (the weights
-widened once: fp16 values are exact in float32) and its input widened at the call, which is the arithmetic of a
-float16 GEMM that accumulates in float32.
+float16 has no oneDNN path without AVX512-FP16 or AVX-NE-CONVERT, nor bf16 without AVX512BW/VL/DQ or
+AVX-NE-CONVERT: such a layer is packed as float32 (the weights widened once: half values are exact in float32) and
+its input widened at the call, which is the arithmetic of a half GEMM that accumulates in float32.
 """
 
 from __future__ import annotations
@@ -41,13 +41,23 @@ def has_half_dot_product() -> bool:
 _PACKED_FOR_ROWS = 8
 
 
-def _packs(dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype oneDNN computes a CPU layer of `dtype` in, or None when it does not take it."""
-    if dtype in (torch.float32, torch.bfloat16):
+def packed_compute_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a packed CPU layer of `dtype` computes in, or None when it is not packed. bf16 stays bf16 where
+    oneDNN multiplies it on this CPU (AVX512BW/VL/DQ or AVX-NE-CONVERT; elsewhere its reorder raises, seen on an
+    AVX2-only EPYC) and is widened to float32 otherwise, as float16 always is: bf16 and fp16 values are exact in
+    float32, so either way it is the arithmetic of a half GEMM that accumulates in float32."""
+    if dtype == torch.float32:
         return dtype
+    if dtype == torch.bfloat16:
+        return dtype if _onednn_multiplies_bf16() else torch.float32
     if dtype == torch.float16:
         return torch.float32
     return None
+
+
+@functools.cache
+def _onednn_multiplies_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -109,7 +119,7 @@ def pack_cpu_linears(model: nn.Module) -> int:
                                             RowParallelLinear.forward)
             if not (plain and isinstance(child, nn.Linear) and child.weight.device.type == "cpu"):
                 continue
-            compute_dtype = _packs(child.weight.dtype)
+            compute_dtype = packed_compute_dtype(child.weight.dtype)
             if compute_dtype is not None:
                 setattr(parent, name, PackedLinear(child, compute_dtype))
                 replaced += 1
