@@ -7,7 +7,7 @@
 set -u
 export PYTHONUNBUFFERED=1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$gpu"
-[ "${1:-probe}" = probe ] && bash bench/h200/wgmma_run.sh 256:down 128:down 64:down 512:down 256:o_proj 2>&1 \
+[ "${1:-probe}" = probe ] && bash bench/h200/wgmma_run.sh ${PROBE_SHAPES:-256:down 128:down 64:down 512:down 256:o_proj} 2>&1 \
   | grep -v -E "^\s*$"
 TRITON_INTERPRET=0 timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider --no-header --tb=short \
   tests/kernels/test_hopper_mlp.py > $OUT/hopper-mlp-tests.log 2>&1 || { echo "tests failed:"; tail -60 $OUT/hopper-mlp-tests.log; exit 1; }
@@ -22,7 +22,7 @@ if [[ "$gpu" == *H200* ]]; then
 else
   for flag in --no-hopper-down-proj --hopper-down-proj; do
     log=$OUT/decode-step$flag-$RANDOM.log
-    timeout 150 python3 bench/decode_step.py --batches 64,256 --context 1024 $flag > $log 2>&1
+    timeout 150 python3 bench/decode_step.py --batches ${DECODE_BATCHES:-64,256} --context 1024 $flag > $log 2>&1
     echo "decode_step $flag rc=$?"; grep -E "^\| [0-9]+ x |^\| [0-9]+ \|" $log
   done
 fi
