@@ -158,7 +158,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--fused-gate-up-silu", action=argparse.BooleanOptionalAction, default=True,
                         help="the gate_up GEMM with SiLU-and-mul in one Hopper kernel (engine/kernels/hopper_mlp.py)")
-    parser.add_argument("--hopper-down-proj", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--hopper-down-proj", action=argparse.BooleanOptionalAction, default=False,
                         help="the MLP's down projection split along K over a cluster (engine/kernels/hopper_mlp.py)")
     parser.add_argument("--hf", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))

@@ -13,7 +13,8 @@ TRITON_INTERPRET=0 timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -
   tests/kernels/test_hopper_mlp.py > $OUT/hopper-mlp-tests.log 2>&1 || { echo "tests failed:"; tail -60 $OUT/hopper-mlp-tests.log; exit 1; }
 tail -1 $OUT/hopper-mlp-tests.log
 if [[ "$gpu" == *H200* ]]; then
-  flags=("--no-fused-gate-up-silu --no-hopper-down-proj" "" "--no-hopper-down-proj" "" "--no-fused-gate-up-silu --no-hopper-down-proj" "")
+  neither="--no-fused-gate-up-silu --no-hopper-down-proj" both="--fused-gate-up-silu --hopper-down-proj"
+  flags=("$neither" "$both" "--fused-gate-up-silu --no-hopper-down-proj" "$both" "$neither" "$both")
   for n in $(seq 1 "${2:-4}"); do
     flag=${flags[$((n - 1))]}
     timeout 115 python3 bench/offline_gpu.py --trace $flag > $OUT/offline-$n.log 2>&1; echo "offline $n [$flag] rc=$?"
