@@ -20,7 +20,7 @@ if [[ "$gpu" == *H200* ]]; then
     timeout 115 python3 bench/offline_gpu.py --trace $flag > $OUT/offline-$n.log 2>&1; echo "offline $n [$flag] rc=$?"
     grep -E "^\| 1 |^read bandwidth|engine start|^steps with|decode-only" $OUT/offline-$n.log | cut -c1-250
   done
-else
+elif [ "${DECODE_BATCHES:-}" != none ]; then
   for flag in --no-hopper-down-proj --hopper-down-proj; do
     log=$OUT/decode-step$flag-$RANDOM.log
     timeout 150 python3 bench/decode_step.py --batches ${DECODE_BATCHES:-64,256} --context 1024 $flag > $log 2>&1
