@@ -47,16 +47,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t rank
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return rank;
-}
-
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
 // the same box into the same offset of every CTA in `mask`, each CTA's barrier at `bar`'s offset counting its bytes
 __device__ __forceinline__ void tma_load_multicast(const CUtensorMap* map, void* dst, uint64_t* bar, int inner,
                                                    int outer, uint16_t mask, uint64_t policy) {

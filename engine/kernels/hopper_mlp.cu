@@ -197,16 +197,6 @@ struct DownSmem {
 
 constexpr size_t DOWN_SMEM_BYTES = sizeof(DownSmem) + 1024;
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-  return rank;
-}
-
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
 template <int SPLIT>
 __global__ void __launch_bounds__(THREADS, 1)
 down_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -125,33 +126,26 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; weight: [2I, K] (gate rows then up rows) -> silu(x @ gate^T) * (x @ up^T): [M, I]. Callers
     check `device_supported` once and `shape_supported` per call; operands it does not take are a ValueError here,
     never a launch on pointers the kernel cannot read."""
-    library = _load() if device_supported(x.device) else None
-    if library is None or not shape_supported(x, weight):
-        raise ValueError(f"gate_up_silu does not take x {tuple(x.shape)} {x.dtype} on {x.device}, "
-                         f"weight {tuple(weight.shape)}")
-    rows, k = x.shape
-    out = torch.empty(rows, weight.shape[0] // 2, dtype=x.dtype, device=x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    err = library.tandem_gate_up_silu(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], k,
-                                      x.device.index, stream)
-    if err:
-        raise RuntimeError(f"gate_up_silu kernel failed with code {err}")
-    return out
-
+    return _launch("gate_up_silu", shape_supported, x, weight, weight.shape[0] // 2)
 
 def down_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; weight: [N, K] -> x @ weight^T: [M, N], split-K over a cluster (hopper_mlp.cu's down_kernel), the
     sum in float32 in another order than cuBLAS's. Callers check `device_supported` once and `down_supported` per
     call; operands it does not take are a ValueError here."""
+    return _launch("down_proj", down_supported, x, weight, weight.shape[0])
+
+
+def _launch(name: str, supported: Callable[[torch.Tensor, torch.Tensor], bool], x: torch.Tensor,
+            weight: torch.Tensor, out_features: int) -> torch.Tensor:
     library = _load() if device_supported(x.device) else None
-    if library is None or not down_supported(x, weight):
-        raise ValueError(f"down_proj does not take x {tuple(x.shape)} {x.dtype} on {x.device}, "
+    if library is None or not supported(x, weight):
+        raise ValueError(f"{name} does not take x {tuple(x.shape)} {x.dtype} on {x.device}, "
                          f"weight {tuple(weight.shape)}")
     rows, k = x.shape
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    err = library.tandem_down_proj(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], k,
-                                   x.device.index, stream)
+    err = getattr(library, f"tandem_{name}")(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows,
+                                             weight.shape[0], k, x.device.index, stream)
     if err:
-        raise RuntimeError(f"down_proj kernel failed with code {err}")
+        raise RuntimeError(f"{name} kernel failed with code {err}")
     return out

@@ -1,6 +1,6 @@
-// PTX helpers for Hopper (sm_90a) GEMM kernels: mbarriers, TMA loads, wgmma shared-memory descriptors, and the
-// host-side TMA tensor map of a row-major bf16 matrix. Shared by engine/kernels/hopper_mlp.cu and
-// bench/h200/wgmma_probe.cu; everything is in an anonymous namespace (one copy per translation unit).
+// PTX helpers for Hopper (sm_90a) GEMM kernels: mbarriers, TMA loads, cluster barriers, wgmma shared-memory
+// descriptors, and the host-side TMA tensor map of a row-major bf16 matrix. Shared by engine/kernels/hopper_mlp.cu
+// and bench/h200/wgmma_probe.cu; everything is in an anonymous namespace (one copy per translation unit).
 #pragma once
 
 #include <cuda.h>
@@ -45,6 +45,16 @@ __device__ __forceinline__ void tma_load(const CUtensorMap* map, void* dst, uint
       " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_addr(dst)),
       "l"(map), "r"(smem_addr(bar)), "r"(inner), "r"(outer), "l"(policy)
       : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // wgmma shared-memory descriptor of a K-major tile in the 128-byte swizzle layout TMA writes: 8-row groups of

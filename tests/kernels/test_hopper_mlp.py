@@ -3,6 +3,7 @@ along K over a cluster (CUDA C++, Hopper only)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,24 @@ def _operands(rows: int, k: int, inter: int, device: str = "cuda") -> tuple[torc
     x = torch.randn(rows, k, device=device).to(torch.bfloat16)
     weight = (torch.randn(2 * inter, k, device=device) / k ** 0.5).to(torch.bfloat16)
     return x, weight
+
+
+def _replayed(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel captured in a CUDA graph (as the decode graphs capture it), replayed on new inputs: the replay's
+    output, checked equal to an eager call on those inputs, and the inputs."""
+    static_x = x.clone()
+    kernel(static_x, weight)  # built and configured outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = kernel(static_x, weight)
+    fresh = torch.randn_like(x.float()).to(torch.bfloat16)
+    static_x.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, kernel(fresh, weight))
+    return static_out, fresh
 
 
 def test_not_usable_off_hopper_or_off_shape() -> None:
@@ -66,17 +85,7 @@ def test_at_llama_8b_shape_inside_a_cuda_graph() -> None:
     """The decode graphs capture it: a replay on new inputs gives the eager result."""
     _hopper()
     x, weight = _operands(256, 4096, 14336)
-    static_x = x.clone()
-    hopper_mlp.gate_up_silu(static_x, weight)  # built and configured outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = hopper_mlp.gate_up_silu(static_x, weight)
-    fresh = torch.randn_like(x.float()).to(torch.bfloat16)
-    static_x.copy_(fresh)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, hopper_mlp.gate_up_silu(fresh, weight))
+    static_out, fresh = _replayed(hopper_mlp.gate_up_silu, x, weight)
     unfused = silu_and_mul(torch.nn.functional.linear(fresh, weight))
     assert (static_out == unfused).float().mean().item() > 0.98
 
@@ -129,17 +138,7 @@ def test_down_proj_against_float64_and_cublas(rows: int, k: int, n: int) -> None
 def test_down_proj_inside_a_cuda_graph() -> None:
     _hopper()
     x, weight = _down_operands(256, 14336, 4096)
-    static_x = x.clone()
-    hopper_mlp.down_proj(static_x, weight)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = hopper_mlp.down_proj(static_x, weight)
-    fresh = torch.randn_like(x.float()).to(torch.bfloat16)
-    static_x.copy_(fresh)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, hopper_mlp.down_proj(fresh, weight))
+    static_out, fresh = _replayed(hopper_mlp.down_proj, x, weight)
     _assert_close_to_exact(static_out, fresh, weight)
 
 
