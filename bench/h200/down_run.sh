@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 12: the MLP's down projection split along K over a cluster (engine/kernels/hopper_mlp.py's down_proj).
-# The probe's split-K variants against cuBLAS, the kernel's GPU tests, then on an H200 the offline run in fresh
+# The probe (the engine's kernel against cuBLAS), the kernel's GPU tests, then on an H200 the offline run in fresh
 # engines (neither kernel / both / gate_up+SiLU only / both), on an H100 (whose 80 GB cannot hold the offline
 # run's K/V) the decode step without and with the down kernel:
 #   bash bench/h200/down_run.sh [probe|noprobe] [RUNS]

@@ -22,9 +22,10 @@ def _hopper() -> None:
         pytest.skip("the kernel did not build here (no nvcc?)")
 
 
-def _operands(rows: int, k: int, inter: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+def _operands(rows: int, k: int, out_features: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, k] and a weight [out_features, k] (for gate_up: 2I rows, gate then up)."""
     x = torch.randn(rows, k, device=device).to(torch.bfloat16)
-    weight = (torch.randn(2 * inter, k, device=device) / k ** 0.5).to(torch.bfloat16)
+    weight = (torch.randn(out_features, k, device=device) / k ** 0.5).to(torch.bfloat16)
     return x, weight
 
 
@@ -48,7 +49,7 @@ def _replayed(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: t
 
 def test_not_usable_off_hopper_or_off_shape() -> None:
     """On the CPU (CI) the kernel is never picked, and the shapes it does not take are refused before any build."""
-    x, weight = _operands(128, 128, 112, device="cpu")
+    x, weight = _operands(128, 128, 2 * 112, device="cpu")
     assert not hopper_mlp.device_supported(torch.device("cpu"))
     assert not hopper_mlp.shape_supported(x, weight)
     with pytest.raises(ValueError, match="does not take"):
@@ -65,7 +66,7 @@ def test_equals_cublas_then_silu_and_mul(rows: int) -> None:
     """The fused result against the unfused path it replaces (cuBLAS's GEMM, then the Triton SiLU-and-mul) and
     against float64 math. 200 rows leaves a partial token tile; 336 = 3 x 112 features, K = 1024 is 16 blocks."""
     _hopper()
-    x, weight = _operands(rows, 1024, 336)
+    x, weight = _operands(rows, 1024, 2 * 336)
     assert hopper_mlp.shape_supported(x, weight)
     out = hopper_mlp.gate_up_silu(x, weight)
     unfused = silu_and_mul(torch.nn.functional.linear(x, weight))
@@ -84,7 +85,7 @@ def test_equals_cublas_then_silu_and_mul(rows: int) -> None:
 def test_at_llama_8b_shape_inside_a_cuda_graph() -> None:
     """The decode graphs capture it: a replay on new inputs gives the eager result."""
     _hopper()
-    x, weight = _operands(256, 4096, 14336)
+    x, weight = _operands(256, 4096, 2 * 14336)
     static_out, fresh = _replayed(hopper_mlp.gate_up_silu, x, weight)
     unfused = silu_and_mul(torch.nn.functional.linear(fresh, weight))
     assert (static_out == unfused).float().mean().item() > 0.98
@@ -93,7 +94,7 @@ def test_at_llama_8b_shape_inside_a_cuda_graph() -> None:
 @gpu
 def test_refuses_what_it_does_not_take() -> None:
     _hopper()
-    x, weight = _operands(128, 1024, 336)
+    x, weight = _operands(128, 1024, 2 * 336)
     assert not hopper_mlp.shape_supported(x[:32], weight)  # below the batches it was measured to win at
     assert not hopper_mlp.shape_supported(torch.cat([x] * 5), weight)  # above (640 rows)
     assert not hopper_mlp.shape_supported(x.half(), weight.half())
@@ -103,12 +104,6 @@ def test_refuses_what_it_does_not_take() -> None:
     assert not hopper_mlp.shape_supported(x.t().contiguous().t(), weight)  # not row-major
     with pytest.raises(ValueError, match="does not take"):
         hopper_mlp.gate_up_silu(x[:32], weight)
-
-
-def _down_operands(rows: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
-    weight = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
-    return x, weight
 
 
 def _assert_close_to_exact(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -127,7 +122,7 @@ def test_down_proj_against_float64_and_cublas(rows: int, k: int, n: int) -> None
     """Each split the launcher picks: 64 rows x 8 tiles is split 4, 200 rows (a partial token tile) x 3 tiles and
     256 x 4 are split 4, the Llama-3.1-8B down projection at 256 rows (64 tiles) split 2."""
     _hopper()
-    x, weight = _down_operands(rows, k, n)
+    x, weight = _operands(rows, k, n)
     assert hopper_mlp.down_supported(x, weight)
     out = hopper_mlp.down_proj(x, weight)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
@@ -137,7 +132,7 @@ def test_down_proj_against_float64_and_cublas(rows: int, k: int, n: int) -> None
 @gpu
 def test_down_proj_inside_a_cuda_graph() -> None:
     _hopper()
-    x, weight = _down_operands(256, 14336, 4096)
+    x, weight = _operands(256, 14336, 4096)
     static_out, fresh = _replayed(hopper_mlp.down_proj, x, weight)
     _assert_close_to_exact(static_out, fresh, weight)
 
@@ -145,7 +140,7 @@ def test_down_proj_inside_a_cuda_graph() -> None:
 @gpu
 def test_down_proj_refuses_what_it_does_not_take() -> None:
     _hopper()
-    x, weight = _down_operands(128, 1024, 384)
+    x, weight = _operands(128, 1024, 384)
     assert not hopper_mlp.down_supported(x[:32], weight)  # below the batches it was measured to win at
     assert not hopper_mlp.down_supported(torch.cat([x] * 5), weight)  # above
     assert not hopper_mlp.down_supported(x.half(), weight.half())
