@@ -55,7 +55,7 @@ class Plan:
 _PREFLIGHT = """
 import json, platform, sys
 import torch, transformers, triton, grpc, google.protobuf
-import protos.tandem_pb2_grpc, proxy.app, benchmark.cli, node_common.server, prefill_node.service
+import protos.tandem_pb2_grpc, proxy.api.app, benchmark.cli, node_common.server, prefill_node.service
 from settings.cluster import KV_BACKENDS
 if sys.argv[1] not in KV_BACKENDS:
     sys.exit(f"--kv-backend {sys.argv[1]}: the nodes of this tree know {', '.join(KV_BACKENDS)}")

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cluster.pools import ROLES, PoolManager
-from proxy.auth import APIKeys, bearer_token
+from proxy.api.auth import APIKeys, bearer_token
 
 MAX_POOL_SIZE = 256
 

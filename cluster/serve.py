@@ -38,7 +38,7 @@ from cluster.models import ModelChoiceError, resolve_model
 from cluster.pools import NodeLaunch, NodeState, PoolManager, die_with_parent, free_port
 from cluster.progress import Progress
 from cluster.state import ClusterState, cache_dir, remove_state, write_state
-from proxy.auth import APIKeys, read_key_file
+from proxy.api.auth import APIKeys, read_key_file
 from settings import ServeConfig, to_args
 from settings import env as environment
 from settings.env import API_KEY_VAR, child_environment

@@ -1,9 +1,10 @@
 """What a node refuses to compute for one request, whoever sends it: the proxy checks the same limits
-(proxy/limits.py), but a node's gRPC port may be reached by other clients, and a request for the logprobs of the
+(proxy/api/limits.py), but a node's gRPC port may be reached by other clients, and a request for the logprobs of the
 whole vocabulary at every position would cost it a vocabulary-sized sort per token and a reply of megabytes.
 
-`--max-logprobs` (vLLM's name and default) bounds the top logprobs per token. A request has no `n` on the wire (the
-proxy sends each choice alone) and its max_tokens is bounded by the node's context anyway (the engine stops there).
+`--max-logprobs` (vLLM's name and default) bounds the top logprobs per token, of the output and of the prompt
+(`prompt_logprobs`, as in vLLM). A request has no `n` on the wire (the proxy sends each choice alone) and its
+max_tokens is bounded by the node's context anyway (the engine stops there).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
 
 def check_limits(params: SamplingParams, max_logprobs: int) -> None:
     """Raises ValueError, naming the limit, for a request beyond this node's limits."""
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise ValueError(f"logprobs must be at most {max_logprobs} (this node's --max-logprobs), got "
-                         f"{params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise ValueError(f"{name} must be at most {max_logprobs} (this node's --max-logprobs), got {value}")
 
 
 def check_position_logprobs(num_entries: int, max_logprobs: int) -> None:

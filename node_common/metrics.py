@@ -1,6 +1,6 @@
 """A node's own Prometheus endpoint (`--metrics-port`): the process's metrics (CPU, resident memory, open files,
 Python GC) and who the node is, for a PodMonitor per role. Load and KV metrics are not here: the proxy polls every
-node's Stats and exports them per node (proxy/metrics.py), so dashboards need no second source."""
+node's Stats and exports them per node (proxy/api/metrics.py), so dashboards need no second source."""
 
 from __future__ import annotations
 

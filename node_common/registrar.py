@@ -1,5 +1,6 @@
 """A node's registrar: keeps its entry in the cluster registry (Redis) while it serves: who it is, how loaded it
-is, which prefixes it holds. The keys and records are wire.registry's; the proxy reads them (proxy/directory.py).
+is, which prefixes it holds. The keys and records are wire.registry's; the proxy reads them
+(proxy/routing/directory.py).
 
 - Heartbeats rewrite the node's record with a TTL. They write with `SET ... XX`: a refused write tells a node
   that came back that it had expired, and it registers again from scratch.

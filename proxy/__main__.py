@@ -15,12 +15,12 @@ import uvicorn
 
 from engine.tokenizer import load_tokenizer
 from node_common.tls import ChannelSecurity, TLSFileError
-from proxy.app import ProxyState, create_app, read_max_model_len
-from proxy.auth import load_api_keys
-from proxy.limits import add_limit_args, limits_from_args
-from proxy.pd import add_routing_args, pipeline_from_args
-from proxy.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
-from proxy.serving import DEFAULT_TOKENIZER_THREADS
+from proxy.api.app import ProxyState, create_app, read_max_model_len
+from proxy.api.auth import load_api_keys
+from proxy.api.limits import add_limit_args, limits_from_args
+from proxy.api.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+from proxy.api.serving import DEFAULT_TOKENIZER_THREADS
+from proxy.routing.pd import add_routing_args, pipeline_from_args
 from settings import TREE_KEYS, ConfigError, HashingSettings, add_arguments, parse_args_with, resolve
 from settings import env as environment
 from settings.tls import ClientTLSSettings

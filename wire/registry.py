@@ -1,6 +1,6 @@
 """The cluster registry's wire format (Redis): its keys, the node record and the KV events deltas.
 
-Nodes write it (node_common/registrar.py), the proxy reads it (proxy/directory.py); both import it from here.
+Nodes write it (node_common/registrar.py), the proxy reads it (proxy/routing/directory.py); both import it from here.
 - `tandem:node:<node_id>`: the node's `NodeRecord` as JSON, written with a TTL and rewritten by every
   heartbeat. A node that stops heart-beating (killed, stopped, partitioned) leaves when the TTL runs out.
 - `tandem:kv:<node_id>`: a SET of the hex chained block hashes the node's prefix cache can find now (same

@@ -5,7 +5,7 @@
 
 Generated rather than hand-edited so that every query is in one readable list that tests can parse
 (tests/deploy/test_monitoring.py checks each with promql-parser, and that every metric exists on a live proxy).
-All series come from the proxy's /metrics (proxy/metrics.py): per-node series carry node_id and role, and several
+All series come from the proxy's /metrics (proxy/api/metrics.py): per-node series carry node_id and role, and several
 proxy replicas export the same ones, so per-node queries take `max by (node_id)` first.
 """
 

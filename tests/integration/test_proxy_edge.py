@@ -17,10 +17,10 @@ import pytest
 import uvicorn
 
 from engine.tokenizer import load_tokenizer
-from proxy.app import ProxyState, create_app
-from proxy.directory import NodeDirectory
-from proxy.pd import PDPipeline
-from proxy.router import Router, RouterConfig
+from proxy.api.app import ProxyState, create_app
+from proxy.routing.directory import NodeDirectory
+from proxy.routing.pd import PDPipeline
+from proxy.routing.router import Router, RouterConfig
 from tests.fixtures.tiny_models import TinyModelFactory
 from tests.integration.openai_cluster import Cluster, all_resources_free, running_cluster, wait_until
 from tests.integration.processes import free_port, start_proxy

@@ -24,7 +24,7 @@ from node_common.health import LIVENESS_SERVICE
 from node_common.server import SERVICE_NAMES
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from proxy.directory import NodeDirectory
+from proxy.routing.directory import NodeDirectory
 from tests.deploy.chart import CHART, chart_queries, dashboard_queries, metric_names, render_ci
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
 from tests.integration.processes import Process, RedisServer, free_port, start_proxy

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from node_common.tls import PLAINTEXT, ChannelSecurity
-from proxy.clients import DecodeClient, NodeClient, PrefillClient
+from proxy.routing.clients import DecodeClient, NodeClient, PrefillClient
 from settings.tls import ClientTLSSettings
 from tests.fixtures.certificates import Certificates, make_certificates
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy

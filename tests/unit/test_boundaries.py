@@ -1,5 +1,5 @@
-"""Package boundaries (DESIGN §1): the engine knows nothing of nodes, proxy or transports, the proxy's share of it
-(types, hashing, detokenizer, output processor, config, tokenizer, GGUF metadata) imports no torch, and `wire`
+"""Package boundaries (DESIGN §1): the engine knows nothing of nodes, proxy or transports, the proxy's share
+of it (types, hashing, detokenizer, output processor, config, tokenizer, GGUF metadata) imports no torch, and `wire`
 (what goes over the wire) is standard library only."""
 
 from __future__ import annotations
@@ -48,3 +48,27 @@ def test_importing_wire_loads_no_torch_redis_grpc_or_protobuf() -> None:
             "& {m.split('.')[0] for m in sys.modules}; "
             "assert not loaded, loaded")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module a file imports, at any depth (function-level imports too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_proxy_routing_layer_never_imports_the_api_layer() -> None:
+    """proxy/ is two layers: api (HTTP, OpenAI shapes, output processing) above routing (directory, router,
+    the P/D attempt). Routing knows nothing of HTTP, so an import upwards would be a circle in the making."""
+    offenders = {str(p.relative_to(ROOT)): {m for m in imported_modules(p) if m.startswith("proxy.api")}
+                 for p in (ROOT / "proxy" / "routing").rglob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_proxy_modules_live_in_a_layer() -> None:
+    top_level = sorted(p.name for p in (ROOT / "proxy").glob("*.py"))
+    assert top_level == ["__init__.py", "__main__.py"]

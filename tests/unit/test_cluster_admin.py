@@ -132,7 +132,7 @@ def test_the_cli_ignores_a_state_file_left_by_a_process_that_is_gone(tmp_path: P
 
 
 def test_a_client_api_key_does_not_grant_admin_and_refusals_carry_the_envelope(pools: PoolManager) -> None:
-    from proxy.auth import APIKeys
+    from proxy.api.auth import APIKeys
 
     client = TestClient(create_admin_app(pools, TOKEN, client_keys=APIKeys(["sk-client"])))
     for method, path in (("GET", "/status"), ("POST", "/scale")):

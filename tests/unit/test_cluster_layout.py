@@ -12,7 +12,7 @@ from cluster.layout import CORES_PER_NODE, CpuLayout, cpu_layout, serve_layout
 from cluster.pools import NodeLaunch, node_command
 from cluster.serve import proxy_command
 from node_common.options import add_node_args, parse_node_args
-from proxy.pd import add_routing_args
+from proxy.routing.pd import add_routing_args
 from settings import TREE_KEYS, ServeConfig, add_arguments, resolve
 
 

@@ -19,12 +19,12 @@ import pytest
 
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from proxy.app import create_app
-from proxy.attempts import AttemptLimits
-from proxy.directory import NodeDirectory
-from proxy.pd import PDPipeline
-from proxy.router import Router, RouterConfig, RoutingPolicy
-from proxy.serving import ProxyState
+from proxy.api.app import create_app
+from proxy.api.serving import ProxyState
+from proxy.routing.attempts import AttemptLimits
+from proxy.routing.directory import NodeDirectory
+from proxy.routing.pd import PDPipeline
+from proxy.routing.router import Router, RouterConfig, RoutingPolicy
 
 # what an address looks like: a dotted or single-label host with a port, an IPv4 address, a bracketed IPv6 one
 ADDRESS = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}\b|\[[0-9a-fA-F:]+\]|\b[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*:\d{2,5}\b")

@@ -20,7 +20,7 @@ from node_common.server import add_port
 from node_common.tls import PLAINTEXT, ChannelSecurity, TLSFileError, server_credentials
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from proxy.clients import DecodeClient, NodeError
+from proxy.routing.clients import DecodeClient, NodeError
 from settings import ConfigError
 from settings.tls import ClientTLSSettings, ServerTLSSettings
 from tests.fixtures.certificates import Certificates, Pair, make_certificates

@@ -13,14 +13,14 @@ import grpc
 import pytest
 
 from engine.types import FinishReason, Logprob, SamplingParams
-from proxy.app import create_app
-from proxy.clients import NodeError
-from proxy.directory import NodeDirectory
-from proxy.openai_api import APIError, parse_chat, parse_completion
-from proxy.pd import PDPipeline, TokenChunk
-from proxy.responses import ChatFormat, ChoiceDelta, CompletionFormat, Header, TokenLogprob, UsageTally
-from proxy.router import Router
-from proxy.serving import ProxyState, api_error, fan_out, generate
+from proxy.api.app import create_app
+from proxy.api.openai_api import APIError, parse_chat, parse_completion
+from proxy.api.responses import ChatFormat, ChoiceDelta, CompletionFormat, Header, TokenLogprob, UsageTally
+from proxy.api.serving import ProxyState, api_error, fan_out, generate
+from proxy.routing.clients import NodeError
+from proxy.routing.directory import NodeDirectory
+from proxy.routing.pd import PDPipeline, TokenChunk
+from proxy.routing.router import Router
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -56,7 +56,7 @@ def test_vllm_extras_and_float_integers_are_accepted() -> None:
     ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    # found while writing proxy/openapi.py: a number of 400 digits (no float holds it) was a 500, and falsy
+    # found while writing proxy/api/openapi.py: a number of 400 digits (no float holds it) was a 500, and falsy
     # values of the wrong type (0, {}) slipped past the parameters we refuse
     ({"prompt": "x", "temperature": 10**400}, "temperature"),
     ({"prompt": "x", "suffix": 0}, "suffix"),

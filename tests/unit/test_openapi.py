@@ -1,4 +1,4 @@
-"""The proxy's OpenAPI document (proxy/openapi.py) against the proxy itself: valid JSON Schema, every route
+"""The proxy's OpenAPI document (proxy/api/openapi.py) against the proxy itself: valid JSON Schema, every route
 described, its examples served, and every documented bound the one the validators enforce (the bound accepted,
 one step beyond it refused with a 400 that names the field). Requests go through the real app; a scripted
 pipeline stands in for the nodes."""
@@ -16,9 +16,9 @@ import jsonschema
 import pytest
 from starlette.routing import Route
 
-from proxy.app import create_app
-from proxy.auth import APIKeys
-from proxy.serving import ProxyState
+from proxy.api.app import create_app
+from proxy.api.auth import APIKeys
+from proxy.api.serving import ProxyState
 from tests.unit.test_openai_api import ScriptedPipeline
 
 MAX_MODEL_LEN = 256

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from proxy.attempts import AbandonReason, AttemptAbandoned, AttemptLimits
-from proxy.clients import NodeError
-from proxy.directory import NodeDirectory, NodeView
-from proxy.liveness import FAILED_CHECKS_TO_LOSE, Liveness
-from proxy.pd import PDPipeline, TokenChunk
-from proxy.router import Router, RouterConfig
+from proxy.routing.attempts import AbandonReason, AttemptAbandoned, AttemptLimits
+from proxy.routing.clients import NodeError
+from proxy.routing.directory import NodeDirectory, NodeView
+from proxy.routing.liveness import FAILED_CHECKS_TO_LOSE, Liveness
+from proxy.routing.pd import PDPipeline, TokenChunk
+from proxy.routing.router import Router, RouterConfig
 from tests.unit.test_pd_pipeline import HANG, PARAMS, PROMPT, FakeDecode, FakeDirectory, FakePrefill, tokens
 from wire import Role
 

@@ -15,13 +15,13 @@ import grpc
 import pytest
 
 from engine.types import FinishReason, Logprob, SamplingParams
-from proxy.app import create_app
-from proxy.attempts import AttemptAbandoned
-from proxy.clients import Decoded, NodeError, Prefilled
-from proxy.liveness import FAILED_CHECKS_TO_LOSE
-from proxy.pd import PDPipeline, TokenChunk
-from proxy.router import Router, RouterConfig
-from proxy.serving import ProxyState, fan_out, generate
+from proxy.api.app import create_app
+from proxy.api.serving import ProxyState, fan_out, generate
+from proxy.routing.attempts import AttemptAbandoned
+from proxy.routing.clients import Decoded, NodeError, Prefilled
+from proxy.routing.liveness import FAILED_CHECKS_TO_LOSE
+from proxy.routing.pd import PDPipeline, TokenChunk
+from proxy.routing.router import Router, RouterConfig
 from tests.unit.test_pd_pipeline import PROMPT, FakeDirectory, FakePrefill, hang
 
 ORACLE = list(range(7, 7 + 64))  # FakePrefill's first token is 7: output token 0

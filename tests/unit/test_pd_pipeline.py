@@ -12,13 +12,13 @@ import grpc
 import pytest
 
 from engine.types import FinishReason, SamplingParams
-from proxy.clients import Decoded, NodeError, Prefilled
-from proxy.dead_nodes import DeadNodes
-from proxy.directory import NodeView
-from proxy.liveness import Liveness
-from proxy.pd import PDPipeline, TokenChunk
-from proxy.prefix_index import PrefixIndex
-from proxy.router import Router, RouterConfig
+from proxy.routing.clients import Decoded, NodeError, Prefilled
+from proxy.routing.dead_nodes import DeadNodes
+from proxy.routing.directory import NodeView
+from proxy.routing.liveness import Liveness
+from proxy.routing.pd import PDPipeline, TokenChunk
+from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing.router import Router, RouterConfig
 from wire import KVTicket, NodeCapacity, NodeLoad, Role
 
 PROMPT = list(range(10, 210))  # long enough to be disaggregated

@@ -14,7 +14,7 @@ from engine.hashing import block_hashes
 from engine.request import Request
 from engine.types import SamplingParams
 from node_common.registrar import coalesce
-from proxy.prefix_index import PrefixIndex
+from proxy.routing.prefix_index import PrefixIndex
 from wire import KVDelta, NodeCapacity, NodeLoad, NodeRecord, Role, hash_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,7 +126,8 @@ def test_a_malformed_record_is_a_value_error(text: str) -> None:
 
 
 def test_the_proxys_routing_modules_import_no_torch() -> None:
-    code = ("import sys, proxy.prefix_index, proxy.router, proxy.directory, proxy.pd, proxy.metrics, protos.convert, "
+    code = ("import sys, proxy.routing.prefix_index, proxy.routing.router, proxy.routing.directory, proxy.routing.pd, "
+            "proxy.api.metrics, protos.convert, "
             "node_common.registrar, node_common.load; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

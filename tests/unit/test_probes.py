@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from node_common.health import LIVENESS_SERVICE, NodeHealth
-from proxy.app import create_app
-from proxy.directory import NodeDirectory
-from proxy.serving import ProxyState
+from proxy.api.app import create_app
+from proxy.api.serving import ProxyState
+from proxy.routing.directory import NodeDirectory
 from tests.integration.processes import RedisServer
 from tests.unit.test_openai_api import ScriptedPipeline
 
@@ -122,7 +122,7 @@ def test_the_proxy_is_ready_while_its_registry_answers_whatever_the_nodes(proxy_
 
 
 def test_probes_need_no_api_key(proxy_state: ProxyState):
-    from proxy.auth import APIKeys
+    from proxy.api.auth import APIKeys
 
     proxy_state.api_keys = APIKeys(["secret"])
     ready, live, models = _get(proxy_state, "/ready", "/live", "/v1/models")

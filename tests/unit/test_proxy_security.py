@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-import proxy.auth
+import proxy.api.auth
 from proxy.__main__ import parse_args
-from proxy.app import create_app
-from proxy.auth import APIKeys, load_api_keys, read_key_file
-from proxy.limits import RequestLimits
-from proxy.openai_api import APIError, parse_chat, parse_completion
-from proxy.serving import ProxyState
+from proxy.api.app import create_app
+from proxy.api.auth import APIKeys, load_api_keys, read_key_file
+from proxy.api.limits import RequestLimits
+from proxy.api.openai_api import APIError, parse_chat, parse_completion
+from proxy.api.serving import ProxyState
 from tests.unit.test_openai_api import ScriptedPipeline
 
 KEYS = ["sk-first-0123456789", "sk-second-abcdefghij"]
@@ -65,13 +65,13 @@ def test_every_key_is_accepted_and_anything_else_refused_with_the_envelope(state
 def test_a_key_is_compared_with_every_key_even_after_a_match(monkeypatch: pytest.MonkeyPatch) -> None:
     """No early exit: the time taken must not say which key matched (nor whether one did before the last)."""
     compared = []
-    real = proxy.auth.hmac.compare_digest
+    real = proxy.api.auth.hmac.compare_digest
 
     def counting(a: bytes, b: bytes) -> bool:
         compared.append(b)
         return real(a, b)
 
-    monkeypatch.setattr(proxy.auth.hmac, "compare_digest", counting)
+    monkeypatch.setattr(proxy.api.auth.hmac, "compare_digest", counting)
     keys = APIKeys([f"sk-{i}" for i in range(5)])
     for given in ("sk-0", "sk-4", "nope"):
         compared.clear()

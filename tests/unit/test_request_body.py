@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.openai_api import APIError
-from proxy.request_body import decode_json, lone_surrogate_at
+from proxy.api.openai_api import APIError
+from proxy.api.request_body import decode_json, lone_surrogate_at
 
 
 def test_escaped_surrogate_pairs_are_text_and_lone_surrogates_are_refused_by_field() -> None:

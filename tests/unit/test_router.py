@@ -8,10 +8,10 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from engine.hashing import block_hashes
-from proxy.directory import NodeView
-from proxy.errors import NoHealthyNodes, Overloaded
-from proxy.prefix_index import PrefixIndex
-from proxy.router import Mode, Router, RouterConfig, RoutingPolicy
+from proxy.routing.directory import NodeView
+from proxy.routing.errors import NoHealthyNodes, Overloaded
+from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing.router import Mode, Router, RouterConfig, RoutingPolicy
 from wire import NodeCapacity, NodeLoad, Role
 
 BLOCK = 4

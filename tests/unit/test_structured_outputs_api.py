@@ -1,4 +1,4 @@
-"""Structured output at the proxy's edge (proxy/structured_outputs.py) and on the wire (protos/convert.py): the
+"""Structured output at the proxy's edge (proxy/api/structured_outputs.py) and on the wire (protos/convert.py): the
 names OpenAI's, vLLM's and older vLLM clients send become one StructuredOutputsParams; malformed or conflicting
 ones are a 400 naming the field; what /openapi.json describes is what the parser accepts; the constraint survives
 protobuf."""
@@ -13,8 +13,8 @@ import pytest
 from engine.types import SamplingParams, StructuredOutputsParams
 from protos import tandem_pb2 as pb
 from protos.convert import params_from_proto, params_to_proto
-from proxy.openai_api import APIError, parse_chat, parse_completion
-from proxy.openapi import ServedAPI, openapi_schema
+from proxy.api.openai_api import APIError, parse_chat, parse_completion
+from proxy.api.openapi import ServedAPI, openapi_schema
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

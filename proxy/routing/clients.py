@@ -8,23 +8,31 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from engine.types import FinishReason, PositionLogprobs, PromptLogprobs, SamplingParams
 from node_common.tls import PLAINTEXT, ChannelSecurity
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from protos.convert import logprobs_from_proto, params_to_proto, stats_from_proto, ticket_from_proto, ticket_to_proto
+from protos.convert import (
+    logprobs_from_proto,
+    params_to_proto,
+    prompt_logprobs_from_proto,
+    stats_from_proto,
+    ticket_from_proto,
+    ticket_to_proto,
+)
 from wire import RETRYABLE_KEY, InvalidTicketError, KVTicket, NodeStats
 
 # A node that restarts is reachable again within a second: gRPC's default reconnect backoff grows to 2 minutes,
-# and a channel in backoff fails calls at once.
+# and a channel in backoff fails calls at once. A long prompt's prompt logprobs outgrow gRPC's default 4 MiB
+# message (8k positions of 21 entries are about 3.5 MiB): answers up to the nodes' own send limit are taken.
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 1000)]
+                    ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 class NodeError(Exception):
     """A node refused or failed a request. `retryable`: prefilling again (maybe elsewhere) may succeed;
     `unreachable`: the node did not answer at all (connection refused or lost), so routing should leave it out.
-    `node` ("prefill HOST:PORT") and the string form are for logs: clients get `message` (proxy.serving)."""
+    `node` ("prefill HOST:PORT") and the string form are for logs: clients get `message` (proxy.api.serving)."""
 
     def __init__(self, node: str, code: grpc.StatusCode, message: str, retryable: bool,
                  unreachable: bool = False) -> None:
@@ -42,7 +50,7 @@ class NodeError(Exception):
     @property
     def try_another_node(self) -> bool:
         """Whether another node of the role may do better: this one was unreachable, or the proxy gave up on it
-        (proxy.attempts). A node's own errors would repeat elsewhere."""
+        (proxy.routing.attempts). A node's own errors would repeat elsewhere."""
         return self.code == grpc.StatusCode.UNAVAILABLE
 
 
@@ -53,6 +61,7 @@ class Prefilled:
     finish_reason: FinishReason | None
     num_cached_tokens: int
     ticket: KVTicket | None  # None when the first token finished the request
+    prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs asked
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class Decoded:
     finish_reason: FinishReason | None
     stop_token_id: int | None
     num_cached_tokens: int | None = None  # a colocated request's prefix hit on D (first output only)
+    prompt_logprobs: PromptLogprobs | None = None  # a colocated request's, when asked (first output only)
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,8 @@ class PrefillClient(NodeClient):
             raise NodeError(f"prefill {self.address}", grpc.StatusCode.INTERNAL, f"malformed KV ticket: {e}",
                             retryable=False) from e
         return Prefilled(r.first_token, logprobs_from_proto(r.first_logprobs),
-                         FinishReason(r.finish_reason) if r.finish_reason else None, r.num_cached_tokens, ticket)
+                         FinishReason(r.finish_reason) if r.finish_reason else None, r.num_cached_tokens, ticket,
+                         prompt_logprobs_from_proto(r.prompt_logprobs) if r.HasField("prompt_logprobs") else None)
 
     async def release(self, ticket: KVTicket, timeout: float = 2.0) -> None:
         ref = pb.TicketRef(ticket_id=ticket.ticket_id, incarnation=ticket.incarnation)
@@ -175,7 +186,8 @@ class DecodeClient(NodeClient):
                 yield Decoded(list(r.token_ids), [p for p in map(logprobs_from_proto, r.logprobs) if p],
                               FinishReason(r.finish_reason) if r.finish_reason else None,
                               r.stop_token_id if r.stop_token_id >= 0 else None,
-                              r.num_cached_tokens if first and prefilled is None else None)
+                              r.num_cached_tokens if first and prefilled is None else None,
+                              prompt_logprobs_from_proto(r.prompt_logprobs) if r.HasField("prompt_logprobs") else None)
                 first = False
         except grpc.aio.AioRpcError as e:
             raise _error(f"decode {self.address}", e) from e

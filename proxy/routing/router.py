@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.hashing import BlockHash, block_hashes
-from proxy.directory import NodeView
-from proxy.errors import NoHealthyNodes, Overloaded
-from proxy.prefix_index import PrefixIndex
+from proxy.routing.directory import NodeView
+from proxy.routing.errors import NoHealthyNodes, Overloaded
+from proxy.routing.prefix_index import PrefixIndex
 from wire import Role
 
 
@@ -84,7 +84,7 @@ class Route:
 
 
 class NodeSource(Protocol):
-    """The live table (proxy.directory.NodeDirectory; a plain list in unit tests)."""
+    """The live table (proxy.routing.directory.NodeDirectory; a plain list in unit tests)."""
 
     index: PrefixIndex
 

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 # The most choices any request may have, whatever --max-n says: seeds are spread over the choices (seed + index),
-# and the largest seed a request may send is this much below the wire's maximum (proxy.openai_api.integer_bounds).
+# and the largest seed a request may send is this much below the wire's maximum (proxy.api.openai_api.integer_bounds).
 MAX_CHOICES = 128
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 

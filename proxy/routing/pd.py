@@ -1,14 +1,14 @@
 """One request's path through the cluster, as a stream of token chunks.
 
-The router picks D, the mode and P (proxy/router.py).
+The router picks D, the mode and P (proxy/routing/router.py).
 - Colocated: D prefills the prompt itself and streams every token.
 - Disaggregated: P computes the prompt's K/V and the first token; the first token goes to the client at once;
   D pulls the K/V and streams the rest.
-Each RPC to a node is an attempt (proxy.attempts): the proxy abandons it, cancelling the RPC, when the node is
-lost (health checks, proxy.liveness) or the attempt makes no progress within its timeout, and then treats it as a
-retryable failure of that node. Failures, at most `max_retries` retries per request in all:
+Each RPC to a node is an attempt (proxy.routing.attempts): the proxy abandons it, cancelling the RPC, when the node
+is lost (health checks, proxy.routing.liveness) or the attempt makes no progress within its timeout, and then treats
+it as a retryable failure of that node. Failures, at most `max_retries` retries per request in all:
 - a node that a call finds unreachable, or that the proxy gave up on, is marked down in the directory
-  (proxy.dead_nodes): routing leaves it out for a short back-off, so the requests after this one do not try it
+  (proxy.routing.dead_nodes): routing leaves it out for a short back-off, so the requests after this one do not try it
   first;
 - a retryable prefill failure runs the prefill again on another P (the same one only when no other can). When
   no prefill node is left at all, D prefills the prompt itself (colocated, as the router routes new requests
@@ -19,8 +19,8 @@ retryable failure of that node. Failures, at most `max_retries` retries per requ
   verify (the fault may be D's own: its memory, its network; a faulty D would fail every retry). The K/V
   depends on the prompt alone, so the first token already sent stays valid. When no prefill node is left, D
   goes on alone from that first token: a colocated continuation (below);
-- once D has streamed tokens, losing it (unreachable or given up) migrates the request (proxy.migration): another
-  D continues it from the tokens sent so far, a colocated Generate of the prompt with them as output tokens;
+- once D has streamed tokens, losing it (unreachable or given up) migrates the request (proxy.routing.migration):
+  another D continues it from the tokens sent so far, a colocated Generate of the prompt with them as output tokens;
   D's own errors then end the request with an error (never a replay of sent tokens).
 Each attempt has its own request id on its node (the request's id, then `-retryN`), so that the abort sent to a
 node the proxy gave up on (in the background, until the request's deadline: a frozen node that thaws frees the
@@ -41,12 +41,12 @@ import grpc
 
 from engine.types import FinishReason, PositionLogprobs, SamplingParams
 from node_common.tls import PLAINTEXT, ChannelSecurity
-from proxy.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts, Retries
-from proxy.clients import DecodeClient, NodeError, PrefillClient, Prefilled
-from proxy.directory import NodeDirectory, NodeView
-from proxy.liveness import FAILED_CHECKS_TO_LOSE
-from proxy.migration import DecodeStreamBroken, Migrations
-from proxy.router import Mode, Route, Router, RouterConfig, RoutingPolicy
+from proxy.routing.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts, Retries
+from proxy.routing.clients import DecodeClient, NodeError, PrefillClient, Prefilled
+from proxy.routing.directory import NodeDirectory, NodeView
+from proxy.routing.liveness import FAILED_CHECKS_TO_LOSE
+from proxy.routing.migration import DecodeStreamBroken, Migrations
+from proxy.routing.router import Mode, Route, Router, RouterConfig, RoutingPolicy
 from wire import KVTicket, Role
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class PDPipeline:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float) -> AsyncGenerator[TokenChunk, None]:
-        """Raises proxy.errors.NoHealthyNodes / Overloaded before the first chunk, NodeError at any point."""
+        """Raises proxy.routing.errors.NoHealthyNodes / Overloaded before the first chunk, NodeError at any point."""
         await self.directory.start()
         route = self.router.route(prompt_token_ids)
         logger.debug("request %s: %s on %s%s (hit D %d, P %d tokens)", request_id, route.mode.value,
@@ -144,7 +144,7 @@ class PDPipeline:
                     failure = e
                 self._note_failure(decode, failure)
                 tried.add(decode.address)
-                if started:  # the tokens sent stay sent: the request continues elsewhere or fails (proxy.migration)
+                if started:  # the tokens sent stay sent: it continues elsewhere or fails (routing.migration)
                     raise DecodeStreamBroken(decode, failure)
                 # only a D unreachable, lost or silent is worth leaving; its other errors would repeat elsewhere
                 other = self.router.another_decode(tried) if failure.try_another_node else None
@@ -204,7 +204,7 @@ class PDPipeline:
                 # an attempt given up because P was lost leaves D in place (only the abandonment names P)
                 failed = holder if failure.role == Role.PREFILL.value else decode
                 self._note_failure(failed, failure)
-                if started:  # the tokens sent stay sent: the request continues elsewhere or fails (proxy.migration)
+                if started:  # the tokens sent stay sent: it continues elsewhere or fails (routing.migration)
                     raise DecodeStreamBroken(decode, failure)
                 if not failure.retryable or not retries.spend(failure):
                     raise failure

@@ -1,8 +1,9 @@
 """Attempts the proxy gives up on, so that a request never waits out a node that stopped working for it.
 
 An attempt is one RPC of a request to one node: a Prefill, or a Generate stream. The proxy abandons it (cancels
-the RPC and raises AttemptAbandoned, a retryable NodeError; proxy.pd retries it elsewhere when that is safe) when
-- its node is lost (proxy.liveness: failed health checks in a row, or found unreachable by another call).
+the RPC and raises AttemptAbandoned, a retryable NodeError; proxy.routing.pd retries it elsewhere when that is safe)
+when
+- its node is lost (proxy.routing.liveness: failed health checks in a row, or found unreachable by another call).
   A decode attempt before its first token also depends on the prefill node it pulls the KV from: losing that
   one abandons it too. The reason is NODE_LOST, the error UNAVAILABLE and `unreachable` (routing leaves the
   node out for a back-off);
@@ -31,9 +32,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from proxy.clients import NodeError
-from proxy.directory import NodeView
-from proxy.liveness import Liveness, Watch
+from proxy.routing.clients import NodeError
+from proxy.routing.directory import NodeView
+from proxy.routing.liveness import Liveness, Watch
 from wire import Role
 
 T = TypeVar("T")
@@ -102,7 +103,7 @@ class Attempts:
                      until_first: NodeView | None = None) -> AsyncGenerator[T, None]:
         """The items of `chunks`, a stream from `node`. Until the first item the stream is also abandoned when
         `until_first` is lost (the node D pulls the KV from) or `first_timeout_s` passes; after it, only when
-        `node` is lost (what was sent stays sent: proxy.migration continues the request elsewhere)."""
+        `node` is lost (what was sent stays sent: proxy.routing.migration continues the request elsewhere)."""
         with contextlib.ExitStack() as node_watch, contextlib.ExitStack() as first_watch:
             watch = node_watch.enter_context(self.liveness.watch(node.address))
             watches = [(node, watch)]

@@ -7,10 +7,10 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
   generation_tokens_total, num_requests_running (sub-requests in flight here), request_errors_total{code};
 - routing: pd_decisions_total{mode}, read from the router's decision counts;
 - failures handled: attempts_abandoned_total{role, reason} (attempts the proxy gave up on: reason node_lost or
-  timeout, proxy.attempts) and request_retries_total{role} (failed or abandoned attempts retried, by the role
+  timeout, proxy.routing.attempts) and request_retries_total{role} (failed or abandoned attempts retried, by the role
   of the node that failed), read from the pipeline's counts; decode_migrations_total{outcome} (requests whose
   decode node was lost after streaming: migrated to another one, or not: no_decode_node, no_retry_left,
-  past_deadline; proxy.migration);
+  past_deadline; proxy.routing.migration);
 - per node (`node_id`, `role` labels), from the nodes' Stats on each scrape: kv_cache_usage_perc,
   num_requests_waiting, node_num_requests_running, prefix_cache_queries_total / _hits_total (tokens),
   prefill_leases_expired_total, kv_transfer_failures_total, spec_decode_num_drafts_total /
@@ -33,9 +33,9 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
-from proxy.attempts import AbandonReason, AttemptCounts
-from proxy.directory import NodeDirectory, NodeView
-from proxy.migration import MigrationOutcome
+from proxy.routing.attempts import AbandonReason, AttemptCounts
+from proxy.routing.directory import NodeDirectory, NodeView
+from proxy.routing.migration import MigrationOutcome
 from wire import NodeCapacity, NodeLoad, NodeStats, Role
 
 logger = logging.getLogger(__name__)

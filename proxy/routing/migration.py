@@ -1,6 +1,7 @@
 """Decode migration: a request whose decode node is lost after it streamed tokens goes on on another one.
 
-When D dies (its stream breaks: unreachable) or the proxy gives it up (frozen: proxy.liveness, proxy.attempts)
+When D dies (its stream breaks: unreachable) or the proxy gives it up (frozen: proxy.routing.liveness,
+proxy.routing.attempts)
 after it has streamed tokens, the client keeps what it got and the request continues on another decode node. (A
 draining node finishes its streams, node_common.server; one that its drain timeout cuts off breaks the same way.)
 The continuation is a colocated Generate of the original prompt with the tokens already sent as
@@ -12,11 +13,11 @@ continuation is the same request:
   computes in one prefill the K/V that the old one built step by step). So is seeded sampling (an explicit
   `seed`): the noise of output token k depends on (seed, k) alone (engine/sampler.py), and presence and frequency
   penalties see the tokens as output, as they would have. Without a seed each node draws its own, as P and D do;
-- stop strings and the text are the proxy's (engine.output_processor, one per choice in proxy.serving): it sees
+- stop strings and the text are the proxy's (engine.output_processor, one per choice in proxy.api.serving): it sees
   one continuous stream of token ids, so a stop string spanning the tokens of both nodes is found, its holdback
   included. EOS and stop token ids are token-level and apply on the new node as they did on the old one;
 - logprobs come with each token from the node that sampled it; usage counts each token once (prompt_tokens is
-  the original prompt's, and the new node's prefix hit is not reported again: proxy.pd).
+  the original prompt's, and the new node's prefix hit is not reported again: proxy.routing.pd).
 
 Why colocated, not a handoff from a prefill node: a migration is a repair of a stream already under way, where
 what counts is the gap the client sees. One RPC to one node is the shortest path (a handoff adds a Prefill, a
@@ -40,19 +41,19 @@ from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING
 
-from proxy.attempts import Retries
-from proxy.clients import NodeError
-from proxy.directory import NodeView
-from proxy.router import Router
+from proxy.routing.attempts import Retries
+from proxy.routing.clients import NodeError
+from proxy.routing.directory import NodeView
+from proxy.routing.router import Router
 
 if TYPE_CHECKING:
-    from proxy.pd import TokenChunk
+    from proxy.routing.pd import TokenChunk
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeStreamBroken(Exception):
-    """A decode node failed a request after it had streamed tokens (raised by proxy.pd, handled here)."""
+    """A decode node failed a request after it had streamed tokens (raised by proxy.routing.pd, handled here)."""
 
     def __init__(self, node: NodeView, failure: NodeError) -> None:
         super().__init__(str(failure))

@@ -23,15 +23,15 @@ import grpc
 
 from engine.output_processor import OutputDelta, OutputProcessor
 from engine.types import PositionLogprobs, SamplingParams
-from proxy.auth import APIKeys
-from proxy.clients import NodeError
-from proxy.errors import NoHealthyNodes, Overloaded, without_addresses
-from proxy.limits import RequestLimits
-from proxy.metrics import ProxyMetrics
-from proxy.openai_api import APIError
-from proxy.pd import PDPipeline, TokenChunk
-from proxy.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
-from proxy.responses import MIN_LOGPROB, ChoiceDelta, TokenLogprob, finite
+from proxy.api.auth import APIKeys
+from proxy.api.limits import RequestLimits
+from proxy.api.metrics import ProxyMetrics
+from proxy.api.openai_api import APIError
+from proxy.api.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
+from proxy.api.responses import MIN_LOGPROB, ChoiceDelta, TokenLogprob, finite
+from proxy.routing.clients import NodeError
+from proxy.routing.errors import NoHealthyNodes, Overloaded, without_addresses
+from proxy.routing.pd import PDPipeline, TokenChunk
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -5,9 +5,10 @@ An attempt is one RPC of a request to one node (a Prefill, or a Generate stream)
 - it fails FAILED_CHECKS_TO_LOSE health checks in a row: Health not answered within the check's timeout, or
   answered "not ready". The directory checks static nodes always, and registered nodes while attempts are in
   flight on them (a registered node is otherwise known by its heartbeats);
-- a call finds it unreachable (the dead-node cache marks it down: proxy.dead_nodes).
+- a call finds it unreachable (the dead-node cache marks it down: proxy.routing.dead_nodes).
 Every watch on a lost node is marked lost and the await it is in is interrupted, so that the attempt can cancel
-its RPC and be retried elsewhere (proxy.attempts) instead of waiting out a frozen node or the request's deadline.
+its RPC and be retried elsewhere (proxy.routing.attempts) instead of waiting out a frozen node or the request's
+deadline.
 
 Why health checks and not short RPC timeouts: a frozen node (SIGSTOP, a hung host, a partition) answers
 nothing, not even Health; a busy node answers Health at once, since the gRPC edge never waits for its engine
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
-from proxy.clients import NodeHealth
+from proxy.routing.clients import NodeHealth
 
 FAILED_CHECKS_TO_LOSE = 2
 

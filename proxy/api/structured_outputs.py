@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from engine.types import StructuredOutputsParams
-from proxy.openai_api import bad_request
+from proxy.api.openai_api import bad_request
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 _CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -128,7 +128,7 @@ def _checked(field: str, key: str, value: Any) -> Any:
     """The constraint's value in StructuredOutputsParams' shape, or a 400 saying what is wrong with it."""
     where = field if field != "structured_outputs" else f"structured_outputs.{key}"
     if key == "json":
-        return _checked_schema(where, field, value)
+        return checked_json_schema(where, field, value)
     if key in ("regex", "grammar") and (not isinstance(value, str) or not value):
         raise bad_request(f"'{where}' must be a non-empty string", field)
     if key == "choice" and (not isinstance(value, list) or not value
@@ -139,7 +139,7 @@ def _checked(field: str, key: str, value: Any) -> Any:
     return value
 
 
-def _checked_schema(where: str, field: str, value: Any) -> dict[str, Any]:
+def checked_json_schema(where: str, field: str, value: Any) -> dict[str, Any]:
     if isinstance(value, str):  # vLLM takes a schema as JSON text too
         try:
             value = json.loads(value)
@@ -161,7 +161,7 @@ def _checked_schema(where: str, field: str, value: Any) -> dict[str, Any]:
 
 
 def openapi_properties() -> dict[str, Any]:
-    """The request fields above as proxy/openapi.py describes them (JSON Schema): at least as strict as nothing
+    """The request fields above as proxy/api/openapi.py describes them (JSON Schema): at least as strict as nothing
     the parser accepts is forbidden, and nothing forbidden is accepted. What it cannot say is in the descriptions:
     one constraint in all, a schema valid against its metaschema and compiled by xgrammar."""
     def nullable(kinds: str | list[str], **schema: Any) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The starlette app: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions), /health, /metrics, and
-/openapi.json (proxy/openapi.py) that describes them.
+/openapi.json (proxy/api/openapi.py) that describes them.
 
 A request's path: authorize → read the body (at most --max-request-body-bytes: 413 beyond) → decode the JSON,
 parse (openai_api) and tokenize (chat template for chat) on a tokenizer thread, off the event loop → check the
@@ -29,8 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.config import ModelConfig, ModelConfigError
-from proxy.metrics import poll_nodes
-from proxy.openai_api import (
+from proxy.api.metrics import poll_nodes
+from proxy.api.openai_api import (
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -39,10 +39,10 @@ from proxy.openai_api import (
     parse_chat,
     parse_completion,
 )
-from proxy.openapi import ServedAPI, openapi_schema
-from proxy.request_body import decode_json, read_body
-from proxy.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
-from proxy.serving import ProxyState, SubRequest, fan_out, generate
+from proxy.api.openapi import ServedAPI, openapi_schema
+from proxy.api.request_body import decode_json, read_body
+from proxy.api.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
+from proxy.api.serving import ProxyState, SubRequest, fan_out, generate
 from wire import Role
 
 __all__ = ["ProxyState", "create_app", "read_max_model_len"]
@@ -184,7 +184,7 @@ def create_app(state: ProxyState) -> Starlette:
 # ---- the request edge ----
 
 def _authorize(state: ProxyState, request: Request) -> None:
-    """proxy/auth.py: every path but the probes (/health, /ready, /live) and /metrics needs a key, when there are
+    """proxy/api/auth.py: every path but the probes (/health, /ready, /live) and /metrics needs a key, when there are
     keys."""
     if state.api_keys and not state.api_keys.authorizes(request.headers):
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",

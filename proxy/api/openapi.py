@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import FinishReason
-from proxy.limits import RequestLimits
-from proxy.openai_api import integer_bounds
-from proxy.structured_outputs import openapi_properties
+from proxy.api.limits import RequestLimits
+from proxy.api.openai_api import integer_bounds
+from proxy.api.structured_outputs import openapi_properties
 
 INT32_MAX = integer_bounds(32)[1]
 INT64_MIN, INT64_MAX = integer_bounds(64)

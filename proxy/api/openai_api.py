@@ -2,7 +2,7 @@
 
 Both endpoints take OpenAI's parameters plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos,
 repetition_penalty, stop_token_ids, include_stop_str_in_output, skip_special_tokens, and structured output:
-response_format, structured_outputs, guided_*, read in proxy/structured_outputs.py). Anything malformed
+response_format, structured_outputs, guided_*, read in proxy/api/structured_outputs.py). Anything malformed
 becomes an APIError (HTTP 400 with the field in `param`); a parameter we cannot honour yet is refused
 rather than silently ignored.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.types import SamplingParams
-from proxy.limits import DEFAULT_LIMITS, MAX_CHOICES, RequestLimits
+from proxy.api.limits import DEFAULT_LIMITS, MAX_CHOICES, RequestLimits
 
 
 class APIError(Exception):
@@ -194,7 +194,7 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
                           f"limit), got {num_top_logprobs}", "top_logprobs" if "top_logprobs" in body else "logprobs")
     _refuse_unsupported(body)
     # response_format and vLLM's structured_outputs / guided_*; imported here: that module raises our APIError
-    from proxy.structured_outputs import parse_structured_outputs
+    from proxy.api.structured_outputs import parse_structured_outputs
 
     structured_outputs = parse_structured_outputs(body)
     stop_token_ids = body.get("stop_token_ids")

@@ -5,7 +5,7 @@ Two sources, combinable:
 - static addresses (`--prefill/--decode HOST:PORT`, single-machine use): polled every `health_interval_s` with
   Health (liveness) and Stats (load; a busy node's Stats waits for its engine step, so a late answer keeps the
   last load and is no failure). A node is healthy after a good Health check and unhealthy after
-  FAILED_CHECKS_TO_LOSE failed ones in a row (proxy.liveness); when every listed node of a role is unhealthy
+  FAILED_CHECKS_TO_LOSE failed ones in a row (proxy.routing.liveness); when every listed node of a role is unhealthy
   they are all offered anyway (the operator named them: trying one that just restarted beats refusing the
   request).
 - the registry (`--registry redis://...`): every `poll_s` the node keys (wire.registry) written by node registrars
@@ -14,12 +14,12 @@ Two sources, combinable:
   A registry that restarted empty (its run id changed) lost the keys of nodes that are still serving: for
   REGISTRY_RESTART_GRACE_S the nodes of the last table stay while they register again (each does on its next
   heartbeat), rather than all leaving routing at once (a dead one among them still fails over on use).
-Either way, a node a call just found unreachable is left out of routing for a short back-off (proxy.dead_nodes),
+Either way, a node a call just found unreachable is left out of routing for a short back-off (proxy.routing.dead_nodes),
 before its registry entry expires or its polls fail, even when it is the last node of its role.
 
 Requests in flight: a registered node with attempts in flight is health-checked too, on the same rule as a static
-one. A node that fails the checks, or that a call finds unreachable, is lost (proxy.liveness): the attempts in
-flight there are abandoned and retried elsewhere (proxy.attempts) rather than left to wait for it.
+one. A node that fails the checks, or that a call finds unreachable, is lost (proxy.routing.liveness): the attempts in
+flight there are abandoned and retried elsewhere (proxy.routing.attempts) rather than left to wait for it.
 
 KV events: one task reads the cluster's stream from where it left off and applies each node's delta to the
 index. A node first seen, restarted (seq 0) or with a gap in its seq gets its set reloaded; a lock keeps a
@@ -42,10 +42,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from node_common.tls import PLAINTEXT, ChannelSecurity
-from proxy.clients import DecodeClient, NodeClient, NodeHealth, PrefillClient
-from proxy.dead_nodes import DeadNodes
-from proxy.liveness import Liveness, check_failure
-from proxy.prefix_index import PrefixIndex
+from proxy.routing.clients import DecodeClient, NodeClient, NodeHealth, PrefillClient
+from proxy.routing.dead_nodes import DeadNodes
+from proxy.routing.liveness import Liveness, check_failure
+from proxy.routing.prefix_index import PrefixIndex
 from wire import (
     KV_EVENTS_STREAM,
     NODE_KEY_PATTERN,
@@ -134,7 +134,7 @@ class NodeDirectory:
 
     def mark_down(self, node: NodeView) -> None:
         """A call just found `node` unreachable (or the proxy gave up on it): routing leaves it out for a back-off
-        (proxy.dead_nodes), and the other attempts in flight there are abandoned."""
+        (proxy.routing.dead_nodes), and the other attempts in flight there are abandoned."""
         already = self.dead.is_down(node.address)  # other requests in flight found it too
         back_off = self.dead.mark_down(node.address)
         if not already:
