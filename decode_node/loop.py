@@ -20,10 +20,12 @@ A request's life on a decode node (D):
 
 A `Generate` without a ticket is a colocated request (the proxy judged prefilling here cheaper than a
 transfer, e.g. a short prompt or one mostly in D's prefix cache): D adds it to its engine like any request,
-prefills it (with its own prefix-cache hits) and streams every token, the first one included. With
-`output_token_ids` it continues a request that generated them elsewhere (the proxy migrates a request whose
-decode node was lost mid-stream): D computes prompt + those tokens and streams only the ones after them, which
-are those of the uninterrupted request (the tokens count as output: max_tokens, min_tokens, penalties, seeds).
+prefills it (with its own prefix-cache hits) and streams every token, the first one included (with the prompt's
+logprobs when asked: the engine then takes no prefix-cache hits for it). A request with a ticket has its prompt
+logprobs from P: D computes none. With `output_token_ids` it continues a request that generated them elsewhere
+(the proxy migrates a request whose decode node was lost mid-stream): D computes prompt + those tokens and
+streams only the ones after them, which are those of the uninterrupted request (the tokens count as output:
+max_tokens, min_tokens, penalties, seeds).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampler import SampledToken
 from engine.scheduler import ReservedBlocks
-from engine.types import FinishReason, PositionLogprobs, SamplingParams, StepOutput
+from engine.types import FinishReason, PositionLogprobs, PromptLogprobs, SamplingParams, StepOutput
 from kvtransfer import InvalidRequestError, KVRegion, TransferError, TransferStatus
 from kvtransfer.base import Connector, TransferHandle
 from kvtransfer.checksum import checksum_algorithm, mismatched_blocks
@@ -69,6 +71,7 @@ class DecodeOutput:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_cached_tokens: int | None = None  # a colocated request's prefix hit here, on its first output
+    prompt_logprobs: PromptLogprobs | None = None  # a colocated request's, when asked, on its first output
 
 
 class LeaseClient(Protocol):
@@ -207,7 +210,7 @@ class DecodeLoop:
                 raise DecodeError("INTERNAL", str(event))
             finished = event.finished
             yield DecodeOutput([event.token_id], [event.logprobs] if event.logprobs else [], event.finish_reason,
-                               event.stop_reason)
+                               event.stop_reason, prompt_logprobs=event.prompt_logprobs)
 
     async def _forget(self, request_id: str) -> None:
         self.engine.close_stream(request_id)

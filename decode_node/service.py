@@ -20,6 +20,7 @@ from protos.convert import (
     logprobs_from_proto,
     logprobs_to_proto,
     params_from_proto,
+    prompt_logprobs_to_proto,
     stats_to_proto,
     ticket_from_proto,
 )
@@ -70,6 +71,8 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                                                num_cached_tokens=out.num_cached_tokens or 0)
                 for position in out.logprobs:
                     response.logprobs.append(logprobs_to_proto(position))
+                if out.prompt_logprobs is not None:
+                    response.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
                 yield response
         except DecodeError as e:
             context.set_trailing_metadata(((RETRYABLE_KEY, "1" if e.retryable else "0"),))

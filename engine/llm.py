@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -10,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.output_processor import OutputProcessor
 from engine.request import Request
-from engine.types import RequestOutput, SamplingParams
+from engine.types import PromptLogprobs, RequestOutput, SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -47,7 +48,10 @@ class LLM:
         outputs: dict[str, OutputProcessor] = {}
         for prompt, params in zip(prompt_list, params_list, strict=True):
             parent = str(next(self._ids))
-            children = [engine.make_request(f"{parent}-{i}", prompt, params.for_sample(i))
+            # the prompt's logprobs are the request's, not a sample's: the first sample computes them, and the
+            # others may take prefix-cache hits
+            children = [engine.make_request(f"{parent}-{i}", prompt, params.for_sample(i) if i == 0 else
+                                            dataclasses.replace(params.for_sample(i), prompt_logprobs=None))
                         for i in range(params.n)]
             out = RequestOutput(parent, prompt if isinstance(prompt, str) else None,
                                 children[0].prompt_token_ids)
@@ -59,9 +63,12 @@ class LLM:
             for child in children:
                 engine.submit(child)
 
+        prompt_logprobs: dict[str, PromptLogprobs] = {}  # by the id of the sample that computed them
         while engine.has_unfinished():
             for step in engine.step():
                 output = outputs[step.request_id]
+                if step.prompt_logprobs is not None:
+                    prompt_logprobs[step.request_id] = output.with_decoded_prompt_tokens(step.prompt_logprobs)
                 if output.finished:
                     continue  # a stop string ended it at an earlier token of this step (accepted drafts)
                 delta = output.update(step.token_id, step.logprobs, step.finish_reason, step.stop_reason)
@@ -71,6 +78,7 @@ class LLM:
         for out, children in groups:
             out.outputs = [outputs[child.request_id].completion_output(index) for index, child in enumerate(children)]
             out.num_cached_tokens = children[0].num_prompt_cached_tokens
+            out.prompt_logprobs = prompt_logprobs.get(children[0].request_id)
         return [out for out, _ in groups]
 
     @staticmethod

@@ -165,6 +165,8 @@ class LLMEngine:
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         output = list(output_token_ids)
         self._validate_prompt(token_ids, output)
+        if params.logit_bias:
+            self.validate_token_ids(list(params.logit_bias), "logit_bias token id")
         if params.max_tokens is not None and len(output) >= params.max_tokens:
             raise ValueError(f"the request has already generated {len(output)} tokens of max_tokens "
                              f"{params.max_tokens}: nothing is left to generate")
@@ -270,7 +272,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         sampled = self.runner.execute(batch)
-        return self.scheduler.update_from_output(batch, sampled.tokens())
+        return self.scheduler.update_from_output(batch, sampled.tokens(), sampled.prompt_logprobs())
 
     def _step_async(self) -> list[StepOutput]:
         outputs = []
@@ -292,7 +294,8 @@ class LLMEngine:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return []
-        return self.scheduler.update_from_output(in_flight.batch, in_flight.sampled.tokens())
+        sampled = in_flight.sampled
+        return self.scheduler.update_from_output(in_flight.batch, sampled.tokens(), sampled.prompt_logprobs())
 
     def close(self) -> None:
         """Stops the engine's tensor-parallel worker processes (a single-rank engine has none)."""

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from engine.detokenizer import IncrementalDetokenizer, TokenizerLike, decode_token
-from engine.types import CompletionOutput, FinishReason, PositionLogprobs, SamplingParams
+from engine.types import CompletionOutput, FinishReason, PositionLogprobs, PromptLogprobs, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,11 @@ class OutputProcessor:
             index=index, text=self._text, token_ids=list(self.token_ids), finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, logprobs=None if self.logprobs is None else list(self.logprobs),
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None)
+
+    def with_decoded_prompt_tokens(self, prompt_logprobs: PromptLogprobs) -> PromptLogprobs:
+        """A prompt's logprobs (StepOutput.prompt_logprobs, as the nodes send them) with decoded_token filled in, as
+        vLLM returns them."""
+        return [None if position is None else self._with_decoded_tokens(position) for position in prompt_logprobs]
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own, as Logprob.decoded_token shows it (cached in token_texts)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.hashing import BlockHash
-from engine.types import FinishReason, SamplingParams
+from engine.types import FinishReason, PositionLogprobs, PromptLogprobs, SamplingParams
 
 if TYPE_CHECKING:  # xgrammar (and torch) only where a request is constrained
     from engine.structured_output import Grammar
@@ -96,10 +96,39 @@ class Request:
     num_pending_tokens: int = 0
     # params.structured_outputs' matcher, advanced by every appended token (the engine makes it)
     grammar: Grammar | None = None
+    # params.prompt_logprobs' results so far, [None, position 1, ...] (engine/prompt_logprobs.py), until they are
+    # handed out with the first output; None when not asked, once handed out, or computed elsewhere (a pulled
+    # prompt's come from the node that prefilled it)
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False while prompt logprobs are still to compute: positions served from the prefix cache have no
+        logits (vLLM skips the cache for such requests too)."""
+        return self.prompt_logprobs is None
+
+    def add_prompt_logprobs(self, first_position: int, positions: list[PositionLogprobs]) -> None:
+        """Records a prefill chunk's prompt logprobs, those of positions first_position, first_position + 1, ...;
+        positions already recorded (a chunk computed again after a preemption) are skipped."""
+        recorded = self.prompt_logprobs
+        if recorded is None:
+            return
+        assert first_position <= len(recorded), (
+            f"request {self.request_id}: prompt logprobs from position {first_position}, {len(recorded)} recorded")
+        recorded.extend(positions[len(recorded) - first_position:])
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt logprobs, once, for the request's first output (None when not asked, or already taken)."""
+        recorded, self.prompt_logprobs = self.prompt_logprobs, None
+        assert recorded is None or len(recorded) == self.num_prompt_tokens, (
+            f"request {self.request_id}: {len(recorded or [])} of {self.num_prompt_tokens} prompt logprobs")
+        return recorded
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,7 @@ from engine.model.loader import build_model
 from engine.parallel.context import ParallelContext
 from engine.parallel.executor import StepInputs, TensorParallelWorkers, resolve_call
 from engine.profile_run import allocate_kv_pool, kv_block_bytes, profile_step_bytes, run_dummy_step
+from engine.prompt_logprobs import PromptLogprobsPlan, compute_prompt_logprobs, take_prompt_logits
 from engine.sampled_step import SampledStep
 from engine.sampler import Sampler, SamplingRow, TokenBitmask, has_penalties, noise_seed, to_device
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -199,27 +200,36 @@ class ModelRunner:
         """Launches one step; returns the samples of each request whose step reached its last token."""
         # decodes (one new token) first, so the attention backend can batch them
         items = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        prompt_plan = PromptLogprobsPlan.of(items)
         inputs = self._host_inputs(items)
+        if prompt_plan.rows:  # the workers take these rows' logits too
+            inputs = dataclasses.replace(inputs, prompt_rows=prompt_plan.rows)
         if self.workers is not None:
             self.workers.send_step(inputs)
         input_ids, positions, meta, sample_rows = self._device_inputs(inputs)
         sampling = [item for item in items if item.samples]
-        # a request with drafts has more than one new token: never a decode row, so never in a graph
-        if self.graphs is not None and meta.num_decodes == len(items) and self.graphs.bucket(len(items)):
+        prompt = None
+        logits: torch.Tensor | None
+        # a request with drafts has more than one new token: never a decode row, so never in a graph; prompt
+        # logprobs need the hidden states, which a graph keeps to itself
+        if (self.graphs is not None and meta.num_decodes == len(items) and not prompt_plan.rows
+                and self.graphs.bucket(len(items))):
             logits = self.graphs.run(input_ids, positions, meta)  # every decode row samples
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-            if not sampling:
-                self.last_sampled = SampledStep.empty(self.device)
+            # only rows that reach the end of their tokens need logits for sampling
+            logits = (None if not sampling else self.model.compute_logits(
+                hidden[sample_rows] if sample_rows.shape[0] < hidden.shape[0] else hidden))
+            if prompt_plan.rows:
+                prompt = compute_prompt_logprobs(self.model, hidden, prompt_plan, self.model_cfg.vocab_size)
+            if logits is None:
+                self.last_sampled = SampledStep.empty(self.device, prompt)
                 return self.last_sampled
-            if sample_rows.shape[0] < hidden.shape[0]:  # only rows that reach the end of their tokens need logits
-                hidden = hidden[sample_rows]
-            logits = self.model.compute_logits(hidden)
         rows = [row for item in sampling for row in self._sampling_rows(item)]
         # the forward pass is launched: the host fills the grammars' masks while the device computes it
         samples = self.sampler.sample(logits, rows, self._token_bitmask(sampling))
         self.last_sampled = SampledStep([item.request.request_id for item in sampling
-                                         for _ in range(1 + len(item.draft_token_ids))], samples)
+                                         for _ in range(1 + len(item.draft_token_ids))], samples, prompt)
         return self.last_sampled
 
     @torch.inference_mode()
@@ -227,10 +237,10 @@ class ModelRunner:
         """A worker rank's step: rank 0's forward pass on this rank's slices (its logits gathered, not sampled)."""
         input_ids, positions, meta, sample_rows = self._device_inputs(inputs)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        if inputs.sample_rows:
-            if sample_rows.shape[0] < hidden.shape[0]:
-                hidden = hidden[sample_rows]
-            self.model.compute_logits(hidden)  # takes part in the logits' all-gather
+        if inputs.sample_rows:  # takes part in the logits' all-gather
+            self.model.compute_logits(hidden[sample_rows] if sample_rows.shape[0] < hidden.shape[0] else hidden)
+        if inputs.prompt_rows:
+            take_prompt_logits(self.model, hidden, inputs.prompt_rows, self.model_cfg.vocab_size)
 
     def call_ranks(self, path: str, *args: Any) -> list[Any]:
         """Runs the function `path` ("module:function") as function(rank_state, *args) on every rank of the node,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.prompt_logprobs import PromptLogprobsStep
 from engine.sampler import LogprobTensors, SampledToken, SamplerOutput, sampled_tokens
+from engine.types import PositionLogprobs
 
 
 def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -23,8 +25,10 @@ class SampledStep:
     """The samples of one launched step: `device_token_ids` for the next step's inputs, `tokens()` for the
     host, which waits for the device only there."""
 
-    def __init__(self, request_ids: list[str], out: SamplerOutput) -> None:
-        """request_ids: each row's request, in row order (a request with drafts has consecutive rows)."""
+    def __init__(self, request_ids: list[str], out: SamplerOutput, prompt: PromptLogprobsStep | None = None
+                 ) -> None:
+        """request_ids: each row's request, in row order (a request with drafts has consecutive rows); prompt: the
+        step's prompt logprobs, if any request asked (engine/prompt_logprobs.py)."""
         self.request_ids = request_ids
         # a request's last row: the sample the next step may take as input (asynchronous scheduling has no drafts)
         self.row_of = {request_id: row for row, request_id in enumerate(request_ids)}
@@ -37,14 +41,18 @@ class SampledStep:
                 self._host_token_ids = _copy_to_host(out.token_ids)
             if out.logprobs is not None:
                 self._host_logprobs = out.logprobs.with_tensors([_copy_to_host(t) for t in out.logprobs.tensors()])
+            if prompt is not None:
+                prompt = PromptLogprobsStep(prompt.plan, prompt.tensors.with_tensors(
+                    [_copy_to_host(t) for t in prompt.tensors.tensors()]))
             # recorded even when nothing sampled: wait() also says the step's K/V is written
             self._ready = torch.cuda.Event()
             self._ready.record()
+        self._prompt = prompt
 
     @classmethod
-    def empty(cls, device: torch.device) -> SampledStep:
+    def empty(cls, device: torch.device, prompt: PromptLogprobsStep | None = None) -> SampledStep:
         """A step that sampled nothing (every row a prefill chunk short of its prompt's end)."""
-        return cls([], SamplerOutput(torch.empty(0, dtype=torch.long, device=device), None))
+        return cls([], SamplerOutput(torch.empty(0, dtype=torch.long, device=device), None), prompt)
 
     def wait(self) -> None:
         """Blocks until the step has run on the device (its K/V written, its samples copied)."""
@@ -62,3 +70,11 @@ class SampledStep:
                                                                         self._host_logprobs), strict=True):
             tokens.setdefault(request_id, []).append(token)
         return tokens
+
+    def prompt_logprobs(self) -> dict[str, tuple[int, list[PositionLogprobs]]]:
+        """The prompt logprobs the step computed: request id -> (first position, those of the positions from
+        there) (waits for the step when there are any)."""
+        if self._prompt is None:
+            return {}
+        self.wait()
+        return self._prompt.by_request()

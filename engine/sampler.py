@@ -6,10 +6,16 @@ For each row, in order:
  1. logprobs, when asked, come from the raw logits (log_softmax before any processing), as vLLM's default
     `raw_logprobs` mode; they are gathered after sampling but never see the steps below;
  2. min_tokens: eos and stop_token_ids are set to -inf while the output is shorter than min_tokens;
- 3. penalties: repetition (tokens of prompt + output), then frequency and presence (output tokens only);
- 4. greedy rows take the argmax;
- 5. random rows: temperature, min_p, top_k, top_p (engine/truncation.py), then the inverse transform of one
+ 3. logit_bias: each listed token's bias is added to its logit (after the grammar's mask, so a bias never
+    revives a refused token; before the penalties, as vLLM v1 runs its logit-bias processor). Logprobs stay the
+    model's own (step 1): a request biased toward a token sees how likely the model found it;
+ 4. penalties: repetition (tokens of prompt + output), then frequency and presence (output tokens only);
+ 5. greedy rows take the argmax;
+ 6. random rows: temperature, min_p, top_k, top_p (engine/truncation.py), then the inverse transform of one
     uniform number that the row's seed gives.
+
+Every sampled position goes through these steps: a prefill node's first token, a decode step, and each position
+of a speculative verification step (engine/runner.py makes a row per position, with the request's params).
 
 min_p runs before top_k/top_p, as in vLLM v1 (it is one of its argmax-invariant logits processors, applied
 right after temperature). The order matters only with top_p: min_p compares each probability to the
@@ -217,17 +223,29 @@ def _suppressed_token_ids(row: SamplingRow, vocab_size: int) -> list[int]:
     return sorted(t for t in row.eos_token_ids.union(stop_token_ids) if t < vocab_size)
 
 
+def _logit_bias(row: SamplingRow, vocab_size: int) -> dict[int, float]:
+    # the engine refuses ids past the vocabulary (LLMEngine.make_request); a sampler called without it skips
+    # them, as an index past the logits would fail (on CUDA, fatally)
+    return {t: bias for t, bias in (row.params.logit_bias or {}).items() if t < vocab_size}
+
+
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Applies min_tokens suppression and the penalties. Returns `logits` itself when no row needs either,
-    else a float32 copy: the raw logits stay intact for logprobs."""
+    """Applies min_tokens suppression, logit_bias and the penalties. Returns `logits` itself when no row needs
+    any, else a float32 copy: the raw logits stay intact for logprobs."""
     device, vocab_size = logits.device, logits.shape[1]
     suppressed = [_suppressed_token_ids(row, vocab_size) for row in rows]
+    biased = [_logit_bias(row, vocab_size) for row in rows]
     penalized = [i for i, row in enumerate(rows) if has_penalties(row.params)]
-    if not any(suppressed) and not penalized:
+    if not any(suppressed) and not any(biased) and not penalized:
         return logits
     processed = logits.to(torch.float32, copy=True)
     if any(suppressed):
         processed[_token_index(suppressed, device)] = -math.inf
+    if any(biased):
+        biases = [bias for row_bias in biased for bias in row_bias.values()]
+        # a dict's ids are distinct, so += adds each bias once; -inf (masked, suppressed) stays -inf
+        processed[_token_index([list(row_bias) for row_bias in biased], device)] += to_device(
+            biases, torch.float32, device)
     if penalized:
         assert all(rows[i].num_unlisted_output_tokens == 0 for i in penalized), "penalties need every output id"
         penalized_index = to_device(penalized, torch.long, device)
@@ -322,14 +340,21 @@ def logprob_tensors(logits: torch.Tensor, rows: Sequence[SamplingRow], sampled: 
         return None
     index = to_device(wanted, torch.long, logits.device)
     logprobs = logits[index].to(torch.float32).log_softmax(dim=-1)  # [num_wanted, vocab]
-    chosen = sampled[index].unsqueeze(1)
-    chosen_logprobs = logprobs.gather(1, chosen)
-    chosen_ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
+    chosen = sampled[index]
     num_top = [rows[i].params.logprobs or 0 for i in wanted]
-    max_n = min(max(num_top), logprobs.shape[1])
-    top_logprobs, top_ids = logprobs.topk(max_n, dim=-1)  # sorted, largest first
-    return LogprobTensors(wanted, num_top, chosen.squeeze(1), chosen_logprobs.squeeze(1), chosen_ranks,
-                          top_logprobs, top_ids)
+    return LogprobTensors(wanted, num_top, chosen,
+                          *token_logprobs(logprobs, chosen, min(max(num_top), logprobs.shape[1])))
+
+
+def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, max_n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From rows of logprobs [R, vocab] (float32) and a chosen token per row [R]: the chosen tokens' logprobs and
+    ranks [R] (1 + the number of tokens with a strictly greater logprob), and each row's top max_n logprobs and
+    their ids [R, max_n], sorted, largest first."""
+    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1))
+    chosen_ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(max_n, dim=-1)
+    return chosen_logprobs.squeeze(1), chosen_ranks, top_logprobs, top_ids
 
 
 def logprob_dicts(tensors: LogprobTensors) -> dict[int, PositionLogprobs]:

@@ -35,7 +35,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import SampledToken
 from engine.spec_decode.ngram import NgramProposer
 from engine.spec_decode.verify import SpecDecodeStats, num_accepted_drafts
-from engine.types import FinishReason, StepOutput
+from engine.types import FinishReason, PositionLogprobs, StepOutput
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class Scheduler:
         from elsewhere (WAITING_FOR_REMOTE_KV). None, changing nothing, when the pool cannot hold it now."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.prompt_logprobs = None  # they come with the K/V, from the node that prefilled the prompt
         cached = self.kv.find_cached_prefix(request)
         if not self.kv.allocate(request, request.num_prompt_tokens - len(cached) * self.kv.block_size, cached):
             return None
@@ -173,8 +174,9 @@ class Scheduler:
         # While anything was preempted, admitting new work would only steal the blocks back.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
-            # a request that arrives with computed tokens (a decode node's pulled prompt) needs no lookup
-            looked_up = request.num_computed_tokens == 0
+            # a request that arrives with computed tokens (a decode node's pulled prompt) needs no lookup, and one
+            # that still needs its prompt logprobs takes no hits (engine/prompt_logprobs.py)
+            looked_up = request.num_computed_tokens == 0 and request.reads_prefix_cache
             cached = self.kv.find_cached_prefix(request) if looked_up else []
             num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = min(request.num_tokens_with_pending - num_computed, budget)
@@ -230,11 +232,13 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]]
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[SampledToken]],
+                           prompt_logprobs: Mapping[str, tuple[int, list[PositionLogprobs]]] | None = None
                            ) -> list[StepOutput]:
         """Records what the executed step produced: full blocks enter the prefix cache, sampled tokens are
         appended and may finish their requests. `sampled` holds each sampling request's tokens in position order:
-        one, or 1 + its drafts for a request with drafts."""
+        one, or 1 + its drafts for a request with drafts. `prompt_logprobs`: request id -> (first position, the
+        logprobs of the prompt positions from there) that the step computed (engine/prompt_logprobs.py)."""
         outputs = []
         for item in out.scheduled:
             request = item.request
@@ -242,6 +246,8 @@ class Scheduler:
                 request.num_pending_tokens -= 1
             if request.status.is_finished:
                 continue  # aborted while the step ran, or finished by the step before (asynchronous scheduling)
+            if prompt_logprobs and request.request_id in prompt_logprobs:
+                request.add_prompt_logprobs(*prompt_logprobs[request.request_id])
             if item.draft_token_ids:
                 outputs += self._verify(item, sampled[request.request_id])
                 continue
@@ -276,7 +282,8 @@ class Scheduler:
         reason = request.append_token(token.token_id)
         if reason is not None:
             self._finish(request, reason)
-        return StepOutput(request.request_id, token.token_id, token.logprobs, reason, request.stop_token_id)
+        return StepOutput(request.request_id, token.token_id, token.logprobs, reason, request.stop_token_id,
+                          request.take_prompt_logprobs())
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.FINISHED_PINNED:  # only abort() gets here: it frees the blocks

@@ -8,6 +8,10 @@ matcher says, before each token, which tokens may come next.
 - `Grammar` is one request's matcher. The engine advances it by every token the request appends (a decode node
   first by the token the prefill node sampled: engine/request.py), so a request handed from P to D follows
   the grammar D would have followed alone.
+- A structural tag (free text, with JSON values after its triggers) becomes xgrammar's `triggered_tags` format;
+  each structure's schema is compiled to EBNF first, so that it honours disable_any_whitespace and
+  disable_additional_properties as a `json` constraint does (xgrammar's own `json_schema` format takes
+  neither, and vLLM passes neither for a structural tag).
 - `fill_token_bitmask` writes one packed row per constrained request (bit t of the row allows token t) on the
   CPU; the runner does it after launching the step's forward pass, while the device computes, and the sampler
   masks the logits with it (engine/sampler.py). An EOS id is allowed only where the grammar may end; once it
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine.types import StructuredOutputsParams
+from engine.types import StructuredOutputsParams, check_structural_tag
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +120,26 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     return out
 
 
+def structural_tag_format(spec: StructuredOutputsParams) -> dict[str, Any]:
+    """spec.structural_tag (vLLM's legacy shape: structures and triggers) in xgrammar's structural-tag format: a
+    `triggered_tags` format whose tags hold each structure's schema as an EBNF grammar, compiled with the spec's
+    whitespace and additional-properties options. ValueError with xgrammar's reason for a schema it refuses."""
+    import xgrammar as xgr
+
+    assert spec.structural_tag is not None, "not a structural tag"
+    tag = check_structural_tag(spec.structural_tag)
+    if "format" in tag:  # already xgrammar's format: its json_schema parts take xgrammar's whitespace defaults
+        return tag
+    tags = []
+    for structure in tag["structures"]:
+        schema = json.dumps(bounded_strings_as_patterns(structure["schema"]))
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace,
+                                               strict_mode=spec.disable_additional_properties)
+        tags.append({"type": "tag", "begin": structure["begin"], "end": structure["end"],
+                     "content": {"type": "grammar", "grammar": str(grammar)}})
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}}
+
+
 class StructuredOutputCompiler:
     """Compiles constraints into xgrammar grammars for one model's vocabulary, caching them by key.
 
@@ -174,6 +198,8 @@ class StructuredOutputCompiler:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
                 return compiler.compile_grammar(choice_grammar(spec.choice))
+            if spec.structural_tag is not None:
+                return compiler.compile_structural_tag(json.dumps(structural_tag_format(spec)))
             assert spec.grammar is not None, f"unknown structured output kind {spec.kind}"
             return compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:

@@ -4,7 +4,9 @@ A request's life on a prefill node (P):
 1. `Prefill` arrives: the prompt is validated and added to the engine to produce one token, with
    `pin_blocks`: it finishes as FINISHED_PINNED, its K/V blocks kept (engine/request.py has the states).
 2. The engine schedules it like any other (chunked prefill, prefix-cache hits) and samples the first token
-   (within the request's grammar, when it has structured output: compiled first, off the engine thread).
+   (within the request's grammar, when it has structured output: compiled first, off the engine thread). With
+   prompt_logprobs it computes those too, from every prompt position's logits (so without prefix-cache hits):
+   they go back with the first token.
 3. If that token already ends the request (EOS, a stop token id, max_tokens=1, the context limit), the
    blocks are freed (`free_pinned`) and no ticket is issued.
 4. Otherwise a lease is recorded and a KV ticket returned: block ids, per-block checksums, this node's

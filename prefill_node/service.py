@@ -19,6 +19,7 @@ from protos.convert import (
     deadline_from_proto,
     logprobs_to_proto,
     params_from_proto,
+    prompt_logprobs_to_proto,
     stats_to_proto,
     ticket_to_proto,
 )
@@ -57,6 +58,8 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
         first_logprobs = logprobs_to_proto(result.first.logprobs)
         if first_logprobs is not None:
             response.first_logprobs.CopyFrom(first_logprobs)
+        if result.first.prompt_logprobs is not None:
+            response.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(result.first.prompt_logprobs))
         if result.ticket is not None:
             response.ticket.CopyFrom(ticket_to_proto(result.ticket))
         return response

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from engine.types import Logprob, PositionLogprobs, SamplingParams, StructuredOutputsParams
+from engine.types import Logprob, PositionLogprobs, PromptLogprobs, SamplingParams, StructuredOutputsParams
 from protos import tandem_pb2 as pb
 from wire import InvalidTicketError, KVTicket, NodeCapacity, NodeLoad, NodeStats
 
@@ -26,8 +26,12 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.max_tokens = p.max_tokens
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.structured_outputs is not None:
         msg.structured_outputs.CopyFrom(structured_outputs_to_proto(p.structured_outputs))
+    if p.logit_bias:
+        msg.logit_bias.update(p.logit_bias)
     return msg
 
 
@@ -40,15 +44,18 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None, min_tokens=msg.min_tokens,
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         structured_outputs=(structured_outputs_from_proto(msg.structured_outputs)
-                            if msg.HasField("structured_outputs") else None))
+                            if msg.HasField("structured_outputs") else None),
+        logit_bias=dict(msg.logit_bias) or None)
 
 
 def structured_outputs_to_proto(s: StructuredOutputsParams) -> pb.StructuredOutputs:
     msg = pb.StructuredOutputs(choice=list(s.choice or ()), json_object=s.json_object,
                                disable_any_whitespace=s.disable_any_whitespace,
                                disable_additional_properties=s.disable_additional_properties)
-    for name, value in (("json", s.json_text), ("regex", s.regex), ("grammar", s.grammar)):
+    for name, value in (("json", s.json_text), ("regex", s.regex), ("grammar", s.grammar),
+                        ("structural_tag", s.structural_tag)):
         if value is not None:
             setattr(msg, name, value)
     return msg
@@ -60,7 +67,8 @@ def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutput
         json=msg.json if msg.HasField("json") else None, regex=msg.regex if msg.HasField("regex") else None,
         choice=list(msg.choice) or None, grammar=msg.grammar if msg.HasField("grammar") else None,
         json_object=msg.json_object, disable_any_whitespace=msg.disable_any_whitespace,
-        disable_additional_properties=msg.disable_additional_properties)
+        disable_additional_properties=msg.disable_additional_properties,
+        structural_tag=msg.structural_tag if msg.HasField("structural_tag") else None)
 
 
 # ---- a request's deadline ----
@@ -84,6 +92,23 @@ def logprobs_from_proto(msg: pb.PositionLogprobs) -> PositionLogprobs | None:
     if not msg.entries:
         return None
     return {e.token_id: Logprob(e.logprob, e.rank) for e in msg.entries}
+
+
+def prompt_logprobs_to_proto(prompt_logprobs: PromptLogprobs) -> pb.PromptLogprobs:
+    """Positions 1, 2, ... (position 0 has none)."""
+    assert prompt_logprobs and prompt_logprobs[0] is None, "a prompt's logprobs start with position 0's None"
+    msg = pb.PromptLogprobs()
+    for position in prompt_logprobs[1:]:
+        assert position is not None, "every prompt position after the first has logprobs"
+        msg.positions.add().entries.extend(pb.TokenLogprob(token_id=t, logprob=lp.logprob, rank=lp.rank)
+                                           for t, lp in position.items())
+    return msg
+
+
+def prompt_logprobs_from_proto(msg: pb.PromptLogprobs) -> PromptLogprobs:
+    """vLLM's shape: None for position 0, then a dict per position."""
+    return [None, *({e.token_id: Logprob(e.logprob, e.rank) for e in position.entries}
+                    for position in msg.positions)]
 
 
 # ---- the KV ticket ----

@@ -24,51 +24,57 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ctandem.proto\x12\ttandem.v1\"\x85\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputsB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\xdb\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12%\n\x1d\x64isable_additional_properties\x18\x07 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"<\n\x10PositionLogprobs\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\xfc\x01\n\x08KVTicket\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_node_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x19\n\x11transfer_metadata\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x13\n\x0blayout_hash\x18\x07 \x01(\t\x12\x16\n\x0elease_deadline\x18\x08 \x01(\x01\x12\x17\n\x0f\x62lock_checksums\x18\n \x03(\t\x12\x17\n\x0fprefill_address\x18\x0b \x01(\tJ\x04\x08\t\x10\nR\x08\x63hecksum\"{\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x01\"\xb2\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x33\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12#\n\x06ticket\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVTicket\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\"3\n\tTicketRef\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"K\n\x12\x45xtendLeaseRequest\x12$\n\x06ticket\x18\x01 \x01(\x0b\x32\x14.tandem.v1.TicketRef\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"3\n\rLeaseResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0elease_deadline\x18\x02 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x8b\x01\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x13\n\x0blayout_hash\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nkv_backend\x18\x07 \x01(\t\"\x0e\n\x0cStatsRequest\"\x99\x04\n\rStatsResponse\x12\x16\n\x0e\x66ree_kv_blocks\x18\x01 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x1a\n\x12num_pinned_tickets\x18\x05 \x01(\x05\x12\x1a\n\x12num_leases_expired\x18\x06 \x01(\x03\x12\x1d\n\x15num_transfer_failures\x18\x07 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\x05\x12!\n\x19num_queued_prefill_tokens\x18\x0c \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\r \x01(\x03\x12\x19\n\x11kv_transfer_count\x18\x0e \x01(\x03\x12\x1f\n\x17kv_transfer_seconds_sum\x18\x0f \x01(\x01\x12\x1e\n\x16spec_decode_num_drafts\x18\x10 \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x11 \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x12 \x01(\x03\"\x85\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12#\n\x06ticket\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KVTicket\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\x05\x12\x33\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x01\x12\x18\n\x10output_token_ids\x18\x08 \x03(\x05\"\x9d\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x32\x8c\x03\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x39\n\x07Release\x12\x14.tandem.v1.TicketRef\x1a\x18.tandem.v1.LeaseResponse\x12\x46\n\x0b\x45xtendLease\x12\x1d.tandem.v1.ExtendLeaseRequest\x1a\x18.tandem.v1.LeaseResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponse2\x8d\x02\n\rDecodeService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ctandem.proto\x12\ttandem.v1\"\xa7\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x02\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x8b\x02\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12%\n\x1d\x64isable_additional_properties\x18\x07 \x01(\x08\x12\x1b\n\x0estructural_tag\x18\x08 \x01(\tH\x03\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammarB\x11\n\x0f_structural_tag\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"<\n\x10PositionLogprobs\x12(\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"@\n\x0ePromptLogprobs\x12.\n\tpositions\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\"\xfc\x01\n\x08KVTicket\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_node_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x19\n\x11transfer_metadata\x18\x04 \x01(\x0c\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x13\n\x0blayout_hash\x18\x07 \x01(\t\x12\x16\n\x0elease_deadline\x18\x08 \x01(\x01\x12\x17\n\x0f\x62lock_checksums\x18\n \x03(\t\x12\x17\n\x0fprefill_address\x18\x0b \x01(\tJ\x04\x08\t\x10\nR\x08\x63hecksum\"{\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x01\"\xe6\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x33\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12#\n\x06ticket\x18\x03 \x01(\x0b\x32\x13.tandem.v1.KVTicket\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x32\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x19.tandem.v1.PromptLogprobs\"3\n\tTicketRef\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"K\n\x12\x45xtendLeaseRequest\x12$\n\x06ticket\x18\x01 \x01(\x0b\x32\x14.tandem.v1.TicketRef\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"3\n\rLeaseResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x16\n\x0elease_deadline\x18\x02 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x8b\x01\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x03\x12\x0c\n\x04role\x18\x04 \x01(\t\x12\x13\n\x0blayout_hash\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nkv_backend\x18\x07 \x01(\t\"\x0e\n\x0cStatsRequest\"\x99\x04\n\rStatsResponse\x12\x16\n\x0e\x66ree_kv_blocks\x18\x01 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x1a\n\x12num_pinned_tickets\x18\x05 \x01(\x05\x12\x1a\n\x12num_leases_expired\x18\x06 \x01(\x03\x12\x1d\n\x15num_transfer_failures\x18\x07 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\x05\x12!\n\x19num_queued_prefill_tokens\x18\x0c \x01(\x03\x12\x19\n\x11kv_transfer_bytes\x18\r \x01(\x03\x12\x19\n\x11kv_transfer_count\x18\x0e \x01(\x03\x12\x1f\n\x17kv_transfer_seconds_sum\x18\x0f \x01(\x01\x12\x1e\n\x16spec_decode_num_drafts\x18\x10 \x01(\x03\x12$\n\x1cspec_decode_num_draft_tokens\x18\x11 \x01(\x03\x12\'\n\x1fspec_decode_num_accepted_tokens\x18\x12 \x01(\x03\"\x85\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12#\n\x06ticket\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KVTicket\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\x05\x12\x33\n\x0e\x66irst_logprobs\x18\x06 \x01(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12\x10\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x01\x12\x18\n\x10output_token_ids\x18\x08 \x03(\x05\"\xd1\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.tandem.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x32\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x19.tandem.v1.PromptLogprobs2\x8c\x03\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x39\n\x07Release\x12\x14.tandem.v1.TicketRef\x1a\x18.tandem.v1.LeaseResponse\x12\x46\n\x0b\x45xtendLease\x12\x1d.tandem.v1.ExtendLeaseRequest\x1a\x18.tandem.v1.LeaseResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponse2\x8d\x02\n\rDecodeService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=28
-  _globals['_SAMPLINGPARAMS']._serialized_end=417
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=420
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=639
-  _globals['_TOKENLOGPROB']._serialized_start=641
-  _globals['_TOKENLOGPROB']._serialized_end=704
-  _globals['_POSITIONLOGPROBS']._serialized_start=706
-  _globals['_POSITIONLOGPROBS']._serialized_end=766
-  _globals['_KVTICKET']._serialized_start=769
-  _globals['_KVTICKET']._serialized_end=1021
-  _globals['_PREFILLREQUEST']._serialized_start=1023
-  _globals['_PREFILLREQUEST']._serialized_end=1146
-  _globals['_PREFILLRESPONSE']._serialized_start=1149
-  _globals['_PREFILLRESPONSE']._serialized_end=1327
-  _globals['_TICKETREF']._serialized_start=1329
-  _globals['_TICKETREF']._serialized_end=1380
-  _globals['_EXTENDLEASEREQUEST']._serialized_start=1382
-  _globals['_EXTENDLEASEREQUEST']._serialized_end=1457
-  _globals['_LEASERESPONSE']._serialized_start=1459
-  _globals['_LEASERESPONSE']._serialized_end=1510
-  _globals['_ABORTREQUEST']._serialized_start=1512
-  _globals['_ABORTREQUEST']._serialized_end=1546
-  _globals['_ABORTRESPONSE']._serialized_start=1548
-  _globals['_ABORTRESPONSE']._serialized_end=1578
-  _globals['_HEALTHREQUEST']._serialized_start=1580
-  _globals['_HEALTHREQUEST']._serialized_end=1595
-  _globals['_HEALTHRESPONSE']._serialized_start=1598
-  _globals['_HEALTHRESPONSE']._serialized_end=1737
-  _globals['_STATSREQUEST']._serialized_start=1739
-  _globals['_STATSREQUEST']._serialized_end=1753
-  _globals['_STATSRESPONSE']._serialized_start=1756
-  _globals['_STATSRESPONSE']._serialized_end=2293
-  _globals['_GENERATEREQUEST']._serialized_start=2296
-  _globals['_GENERATEREQUEST']._serialized_end=2557
-  _globals['_GENERATERESPONSE']._serialized_start=2560
-  _globals['_GENERATERESPONSE']._serialized_end=2717
-  _globals['_PREFILLSERVICE']._serialized_start=2720
-  _globals['_PREFILLSERVICE']._serialized_end=3116
-  _globals['_DECODESERVICE']._serialized_start=3119
-  _globals['_DECODESERVICE']._serialized_end=3388
+  _globals['_SAMPLINGPARAMS']._serialized_end=579
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=474
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=522
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=582
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=849
+  _globals['_TOKENLOGPROB']._serialized_start=851
+  _globals['_TOKENLOGPROB']._serialized_end=914
+  _globals['_POSITIONLOGPROBS']._serialized_start=916
+  _globals['_POSITIONLOGPROBS']._serialized_end=976
+  _globals['_PROMPTLOGPROBS']._serialized_start=978
+  _globals['_PROMPTLOGPROBS']._serialized_end=1042
+  _globals['_KVTICKET']._serialized_start=1045
+  _globals['_KVTICKET']._serialized_end=1297
+  _globals['_PREFILLREQUEST']._serialized_start=1299
+  _globals['_PREFILLREQUEST']._serialized_end=1422
+  _globals['_PREFILLRESPONSE']._serialized_start=1425
+  _globals['_PREFILLRESPONSE']._serialized_end=1655
+  _globals['_TICKETREF']._serialized_start=1657
+  _globals['_TICKETREF']._serialized_end=1708
+  _globals['_EXTENDLEASEREQUEST']._serialized_start=1710
+  _globals['_EXTENDLEASEREQUEST']._serialized_end=1785
+  _globals['_LEASERESPONSE']._serialized_start=1787
+  _globals['_LEASERESPONSE']._serialized_end=1838
+  _globals['_ABORTREQUEST']._serialized_start=1840
+  _globals['_ABORTREQUEST']._serialized_end=1874
+  _globals['_ABORTRESPONSE']._serialized_start=1876
+  _globals['_ABORTRESPONSE']._serialized_end=1906
+  _globals['_HEALTHREQUEST']._serialized_start=1908
+  _globals['_HEALTHREQUEST']._serialized_end=1923
+  _globals['_HEALTHRESPONSE']._serialized_start=1926
+  _globals['_HEALTHRESPONSE']._serialized_end=2065
+  _globals['_STATSREQUEST']._serialized_start=2067
+  _globals['_STATSREQUEST']._serialized_end=2081
+  _globals['_STATSRESPONSE']._serialized_start=2084
+  _globals['_STATSRESPONSE']._serialized_end=2621
+  _globals['_GENERATEREQUEST']._serialized_start=2624
+  _globals['_GENERATEREQUEST']._serialized_end=2885
+  _globals['_GENERATERESPONSE']._serialized_start=2888
+  _globals['_GENERATERESPONSE']._serialized_end=3097
+  _globals['_PREFILLSERVICE']._serialized_start=3100
+  _globals['_PREFILLSERVICE']._serialized_end=3496
+  _globals['_DECODESERVICE']._serialized_start=3499
+  _globals['_DECODESERVICE']._serialized_end=3768
 # @@protoc_insertion_point(module_scope)

@@ -23,6 +23,7 @@ from proxy.api.serving import DEFAULT_TOKENIZER_THREADS
 from proxy.routing.pd import add_routing_args, pipeline_from_args
 from settings import TREE_KEYS, ConfigError, HashingSettings, add_arguments, parse_args_with, resolve
 from settings import env as environment
+from settings.chat import ChatSettings
 from settings.tls import ClientTLSSettings
 
 
@@ -32,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     # the cluster's prefix hashing, declared with the nodes' (settings.cluster): the prefix index hashes as they do
     add_arguments(parser, HashingSettings)
     add_arguments(parser, ClientTLSSettings, config_flag=False)  # TLS to the nodes, declared with the nodes' own
+    add_arguments(parser, ChatSettings, config_flag=False)  # tool-call and reasoning parsers, as tandem serve's
     parser.add_argument("--model", required=True, help="model directory (for its tokenizer and context length)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
@@ -67,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     except (ConfigError, TLSFileError) as e:
         parser.error(str(e))
     try:
+        args.chat = resolve(ChatSettings, vars(args), environment.settings_layer(), TREE_KEYS)
+    except ConfigError as e:
+        parser.error(str(e))
+    try:
         args.api_keys = load_api_keys(args.api_key, args.api_key_file, environment.api_key())
     except ValueError as e:
         parser.error(str(e))
@@ -83,7 +89,7 @@ def main() -> None:
                        max_model_len=read_max_model_len(model, args.max_model_len), api_keys=args.api_keys,
                        max_num_requests=args.max_num_requests, max_request_body_bytes=args.max_request_body_bytes,
                        tokenizer_threads=args.tokenizer_threads, limits=args.limits,
-                       metrics_need_key=args.metrics_require_api_key)
+                       metrics_need_key=args.metrics_require_api_key, chat=args.chat)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
 
 

@@ -9,6 +9,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from settings.chat import ChatSettings
 from settings.cluster import ENGINE_DEFAULTS, LOOPBACK_TRANSPORT_ENV, ClusterSettings, single_machine
 from settings.spec import ConfigError, group, setting, settings_of
 
@@ -76,6 +77,7 @@ class ServeConfig:
     startup_timeout: float = setting(300.0, "seconds a node may take to be placed and start serving", minimum=1.0,
                                      metavar="SECONDS")
     cluster: ClusterSettings = group(ClusterSettings)
+    chat: ChatSettings = group(ChatSettings)  # the proxy's tool-call and reasoning parsers
 
     def __post_init__(self) -> None:
         for name in ("node_args", "proxy_args"):

@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    kind: type  # int, float or str
+    kind: type  # int, float, str or bool (a flag that takes no value: given is true)
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
@@ -84,7 +84,7 @@ def _walk(cls: type) -> Iterator[Setting]:
             continue
         if isinstance(kind, types.UnionType):  # `int | None`: None means "not set" (a computed default)
             kind = next(k for k in typing.get_args(kind) if k is not type(None))
-        assert kind in (int, float, str), f"{cls.__name__}.{f.name}: a setting is an int, float or str"
+        assert kind in (int, float, str, bool), f"{cls.__name__}.{f.name}: a setting is an int, float, str or bool"
         yield Setting(f.name, kind, f.default, f.metadata["help"], f.metadata["choices"], f.metadata["minimum"],
                       f.metadata["metavar"])
 
@@ -126,6 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, config_flag: bo
         parser.add_argument("--config", default=None, metavar="FILE",
                             help=f"YAML file of settings (or ${CONFIG_ENV_VAR}); flags beat it, it beats env vars")
     for s in settings_of(cls):
+        if s.kind is bool:
+            parser.add_argument(s.flag, dest=s.name, default=None, action="store_const", const=True,
+                                help=f"{s.help} [{s.env_var}=1]")
+            continue
         default = "" if s.default in (None, "") else f", default {s.default}"
         parser.add_argument(s.flag, dest=s.name, default=None, help=f"{s.help} [{s.env_var}{default}]",
                             type=s.kind, choices=s.choices, metavar=s.metavar)
@@ -179,10 +183,19 @@ def load_yaml(path: Path, group_settings: Sequence[Setting], known: frozenset[st
 def to_args(instance: Any) -> list[str]:
     """The flags that hand a resolved group to another process (settings left unset are left out)."""
     return [item for s in settings_of(type(instance)) if (value := _lookup(instance, s.name)) is not None
-            for item in (s.flag, str(value))]
+            for item in ((s.flag,) if value is True else () if value is False else (s.flag, str(value)))]
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def _convert(setting: Setting, value: Any, where: str) -> Any:
+    if setting.kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
     try:
         if setting.kind is int and isinstance(value, float | bool):
             raise ValueError(value)  # YAML's 1.5 or true is not a count

@@ -60,6 +60,7 @@ class StepInputs:
     num_decodes: int
     pending_rows: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits give prompt logprobs
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The starlette app: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions), /health, /metrics, and
+"""The starlette app: the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions, /v1/responses as a chat:
+proxy/api/responses_api.py), vLLM's /tokenize and /detokenize (proxy/api/tokenize.py), /health, /metrics, and
 /openapi.json (proxy/api/openapi.py) that describes them.
 
 A request's path: authorize → read the body (at most --max-request-body-bytes: 413 beyond) → decode the JSON,
@@ -18,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,20 +30,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.config import ModelConfig, ModelConfigError
+from proxy.api.errors import APIError
 from proxy.api.metrics import poll_nodes
-from proxy.api.openai_api import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    Generation,
-    bad_request,
-    parse_chat,
-    parse_completion,
-)
+from proxy.api.openai_api import Generation
 from proxy.api.openapi import ServedAPI, openapi_schema
-from proxy.api.request_body import decode_json, read_body
+from proxy.api.prepare import check_length, check_model, prepare_chat, prepare_completion
+from proxy.api.request_body import read_body
 from proxy.api.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
-from proxy.api.serving import ProxyState, SubRequest, fan_out, generate
+from proxy.api.responses_api import ResponseRun, prepare_response
+from proxy.api.serving import Parsing, ProxyState, SubRequest, fan_out, generate
+from proxy.api.tokenize import detokenize, tokenize
 from wire import Role
 
 __all__ = ["ProxyState", "create_app", "read_max_model_len"]
@@ -119,7 +116,7 @@ def create_app(state: ProxyState) -> Starlette:
     async def model(request: Request) -> Response:
         try:
             _authorize(state, request)
-            _check_model(state, request.path_params["model"])
+            check_model(state, request.path_params["model"])
         except APIError as e:
             return _error_response(e)
         return JSONResponse(model_card())
@@ -129,7 +126,7 @@ def create_app(state: ProxyState) -> Starlette:
         try:
             _authorize(state, request)
             body = await read_body(request, state.max_request_body_bytes)
-            parsed, prompts = await state.off_loop(_prepare_completion, state, body)
+            parsed, prompts = await state.off_loop(prepare_completion, state, body)
         except APIError as e:
             return _error_response(e)
         return await _serve(request, state, CompletionFormat, prompts, parsed.generation, arrival, "prompt")
@@ -139,10 +136,38 @@ def create_app(state: ProxyState) -> Starlette:
         try:
             _authorize(state, request)
             body = await read_body(request, state.max_request_body_bytes)
-            parsed, prompt_ids = await state.off_loop(_prepare_chat, state, body)
+            chat = await state.off_loop(prepare_chat, state, body)
         except APIError as e:
             return _error_response(e)
-        return await _serve(request, state, ChatFormat, [prompt_ids], parsed.generation, arrival, "messages")
+        return await _serve(request, state, ChatFormat, [chat.prompt_ids], chat.generation, arrival, "messages",
+                            chat.parsing)
+
+    async def responses(request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            _authorize(state, request)
+            body = await read_body(request, state.max_request_body_bytes)
+            run = ResponseRun(state, await state.off_loop(prepare_response, state, body), arrival)
+            if not run.stream:
+                return JSONResponse(await _unless_disconnected(request, run.whole()))
+            first = await _unless_disconnected(request, run.first())
+        except APIError as e:
+            return _error_response(e)
+        except (ClientGone, StopAsyncIteration):
+            return Response(status_code=499)  # nobody reads it
+        return StreamingResponse(run.events(first), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def tokenizer_endpoint(work: Callable[[ProxyState, bytes], dict[str, Any]]) -> Callable[..., Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                _authorize(state, request)
+                body = await read_body(request, state.max_request_body_bytes)
+                return JSONResponse(await state.off_loop(work, state, body))
+            except APIError as e:
+                return _error_response(e)
+
+        return endpoint
 
     async def openapi(request: Request) -> Response:
         try:
@@ -178,6 +203,9 @@ def create_app(state: ProxyState) -> Starlette:
         Route("/v1/models", models), Route("/v1/models/{model:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]), Route("/openapi.json", openapi),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/tokenize", tokenizer_endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", tokenizer_endpoint(detokenize), methods=["POST"]),
     ], exception_handlers={HTTPException: http_error, ClientDisconnect: client_gone, Exception: internal_error})
 
 
@@ -191,73 +219,20 @@ def _authorize(state: ProxyState, request: Request) -> None:
                        headers={"WWW-Authenticate": "Bearer"})
 
 
-# ---- on a tokenizer thread: time in proportion to the body ----
-
-def _prepare_completion(state: ProxyState, body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
-    parsed = parse_completion(decode_json(body), state.limits)
-    _check_model(state, parsed.generation.model)
-    return parsed, [_prompt_ids(state, p) for p in parsed.prompts]
-
-
-def _prepare_chat(state: ProxyState, body: bytes) -> tuple[ChatRequest, list[int]]:
-    parsed = parse_chat(decode_json(body), state.limits)
-    _check_model(state, parsed.generation.model)
-    return parsed, _chat_prompt_ids(state, [m.as_template_input() for m in parsed.messages],
-                                    parsed.add_generation_prompt)
-
-
-def _check_model(state: ProxyState, model: str) -> None:
-    if model and model != state.served_model_name:
-        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
-
-
-def _prompt_ids(state: ProxyState, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        return list(state.tokenizer.encode(prompt))
-    vocab = len(state.tokenizer)
-    if any(not 0 <= t < vocab for t in prompt):
-        raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-    return prompt
-
-
-def _chat_prompt_ids(state: ProxyState, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    try:
-        text = state.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja errors, a tokenizer with no template: the request cannot be served
-        raise bad_request(f"cannot apply the model's chat template: {e}", "messages") from e
-    # the template writes the special tokens itself
-    return list(state.tokenizer.encode(text, add_special_tokens=False))
-
-
-def _check_length(state: ProxyState, prompts: list[list[int]], max_tokens: int | None, param: str) -> None:
-    limit = state.max_model_len
-    if limit is None:
-        return
-    for prompt in prompts:
-        wanted = len(prompt) + (max_tokens or 1)
-        if wanted > limit:
-            completion = f"{max_tokens} in the completion" if max_tokens else "at least 1 to generate"
-            # OpenAI's status, code and message (vLLM's too): a 400, not a 413
-            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                              f"{wanted} tokens ({len(prompt)} in the {param}, {completion}). Please reduce the "
-                              f"length of the {param} or completion.", param, "context_length_exceeded")
-
-
 # ---- serving a request ----
 
 async def _serve(request: Request, state: ProxyState, format_class: type[Format], prompts: list[list[int]],
-                 generation: Generation, arrival: float, param: str) -> Response:
+                 generation: Generation, arrival: float, param: str, parsing: Parsing = None) -> Response:
     params = generation.params
     try:
-        _check_length(state, prompts, params.max_tokens, param)
+        check_length(state.max_model_len, prompts, params.max_tokens, param)
     except APIError as e:
         return _error_response(e)
     header = Header(f"{format_class.id_prefix}-{uuid.uuid4().hex}", state.served_model_name, int(time.time()))
     fmt = format_class(header, params.logprobs is not None, generation.include_usage)
     subs = fan_out(prompts, params)
     usage = UsageTally(sum(len(p) for p in prompts), params.n)
-    deltas = generate(state, header.request_id, subs, arrival)
+    deltas = generate(state, header.request_id, subs, arrival, parsing)
     try:
         if not generation.stream:
             results = await _unless_disconnected(request, _collect(deltas, subs, usage))

@@ -10,32 +10,14 @@ rather than silently ignored.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import SamplingParams
+from proxy.api.chat_messages import ChatMessage, parse_messages
+from proxy.api.errors import bad_request
 from proxy.api.limits import DEFAULT_LIMITS, MAX_CHOICES, RequestLimits
-
-
-class APIError(Exception):
-    """An OpenAI-style error: HTTP status + {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
+from proxy.api.tools import NO_TOOLS, ToolUse, parse_tools
 
 
 @dataclass(frozen=True)
@@ -58,23 +40,13 @@ class CompletionRequest:
 
 
 @dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
-    name: str | None = None
-
-    def as_template_input(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-
-@dataclass(frozen=True)
 class ChatRequest:
     messages: list[ChatMessage]
     add_generation_prompt: bool
     generation: Generation
+    tools: ToolUse = NO_TOOLS
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, to the template as is
 
 
 # ---- field readers: each raises a 400 naming the field ----
@@ -257,42 +229,32 @@ def parse_completion(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> Comple
     return CompletionRequest(prompts, generation)
 
 
-def _message_content(content: Any, index: int) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (each has its request field)
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
-def _messages(value: Any) -> list[ChatMessage]:
-    if not isinstance(value, list) or not value:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    messages = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'", "messages")
-        _refuse_if_given(message, "tool_calls", list, "tool calls are not supported yet", "messages")
-        _refuse_if_given(message, "function_call", dict, "tool calls are not supported yet", "messages")
-        name = message.get("name")
-        if name is not None and not isinstance(name, str):
-            raise bad_request(f"messages[{i}].name must be a string", "messages")
-        messages.append(ChatMessage(message["role"], _message_content(message.get("content"), i), name))
-    return messages
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = _typed(body, "chat_template_kwargs", (dict,), {})
+    clashing = sorted(k for k in kwargs if k in _TEMPLATE_ARGUMENTS or not isinstance(k, str))
+    if clashing:
+        raise bad_request(f"chat_template_kwargs may not set {str(clashing[0])[:40]!r}: it has its own field or "
+                          "is the server's", "chat_template_kwargs")
+    return dict(kwargs)
 
 
 def parse_chat(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     body = _body(raw)
-    messages = _messages(body.get("messages"))
-    for key in ("tools", "functions"):
-        _refuse_if_given(body, key, list, "tools and function calling are not supported yet", "tools")
+    messages = parse_messages(body.get("messages"))
+    tools = parse_tools(body)
+    for key in ("chat_template", "documents", "reasoning_effort"):
+        if body.get(key) is not None:
+            why = {"chat_template": "the server's template is used (vLLM's --trust-request-chat-template is off)",
+                   "documents": "RAG documents are not rendered", "reasoning_effort": "no served template reads it; "
+                   "send chat_template_kwargs (e.g. {\"enable_thinking\": false}) instead"}[key]
+            raise bad_request(f"'{key}' is not supported: {why}", key, "unsupported_parameter")
     # both are checked, the newer name wins
     max_tokens = _integer(body, "max_tokens", None)
     max_completion_tokens = _integer(body, "max_completion_tokens", None)
@@ -306,4 +268,9 @@ def parse_chat(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     elif num_top_logprobs is not None:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     generation = _generation(body, max_tokens, num_top_logprobs, limits)
-    return ChatRequest(messages, _flag(body, "add_generation_prompt", True), generation)
+    continue_final = _flag(body, "continue_final_message", False)
+    add_generation_prompt = _flag(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+    return ChatRequest(messages, add_generation_prompt, generation, tools, continue_final, _template_kwargs(body))

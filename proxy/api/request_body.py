@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from proxy.api.openai_api import APIError, bad_request
+from proxy.api.errors import APIError, bad_request
 
 # 32 MiB. A 128K-token context is about 0.5 MiB of English text; a 1M-token one, or 128 batched prompts of
 # token ids, a few MiB more; non-ASCII text escaped in JSON (\uXXXX) takes up to 6 bytes a character. Larger

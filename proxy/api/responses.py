@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from proxy.api.parsers.base import ToolCallDelta
 
 # JSON has no -inf; like vLLM, report impossible tokens with a very small finite logprob.
 MIN_LOGPROB = -9999.0
@@ -37,6 +40,16 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob]  # one per token when logprobs were asked for
     finish_reason: str | None
     num_cached_tokens: int | None  # on a choice's first delta: the prefix-cache hit of its prefill
+    reasoning: str = ""  # what a --reasoning-parser took out of the text
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+@dataclass
+class ResultCall:
+    """A whole tool call of a choice."""
+
+    name: str
+    arguments: str = ""
 
 
 @dataclass
@@ -47,11 +60,23 @@ class ChoiceResult:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    reasoning: str = ""
+    tool_calls: list[ResultCall] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
+        self.reasoning += delta.reasoning
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
+        for piece in delta.tool_calls:
+            if piece.index == len(self.tool_calls):
+                self.tool_calls.append(ResultCall(piece.name or ""))
+            self.tool_calls[piece.index].arguments += piece.arguments
+
+
+def new_call_id() -> str:
+    """OpenAI's shape: call_ and 24 characters."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class UsageTally:
@@ -152,6 +177,7 @@ class ChatFormat:
         self.header = header
         self.with_logprobs = with_logprobs
         self.include_usage = include_usage
+        self.call_ids: dict[tuple[int, int], str] = {}  # (choice, call) -> its id, made at the call's first piece
 
     def _body(self, obj: str, choices: list[dict[str, Any]], with_usage_field: bool,
               usage: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -182,16 +208,44 @@ class ChatFormat:
                            self.include_usage) for i in range(num_choices)]
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
-        if not (delta.text or delta.finish_reason or (self.with_logprobs and delta.logprobs)):
+        if not (delta.text or delta.reasoning or delta.tool_calls or delta.finish_reason
+                or (self.with_logprobs and delta.logprobs)):
             return None
-        content = {"content": delta.text} if delta.text else {}
+        content: dict[str, Any] = {}
+        if delta.reasoning:
+            content["reasoning_content"] = delta.reasoning
+        if delta.text:
+            content["content"] = delta.text
+        if delta.tool_calls:
+            content["tool_calls"] = [self._call_piece(delta.index, piece) for piece in delta.tool_calls]
         choice = self._delta_choice(delta.index, content, delta.finish_reason, delta.logprobs)
         return self._body("chat.completion.chunk", [choice], self.include_usage)
+
+    def _call_piece(self, choice: int, piece: ToolCallDelta) -> dict[str, Any]:
+        """OpenAI's stream shape: a call's first piece carries index, id, type and name; later ones only index and
+        an arguments fragment (the SDK's accumulator concatenates them)."""
+        if piece.name is None:
+            return {"index": piece.index, "function": {"arguments": piece.arguments}}
+        call_id = self.call_ids.setdefault((choice, piece.index), new_call_id())
+        return {"index": piece.index, "id": call_id, "type": "function",
+                "function": {"name": piece.name, "arguments": piece.arguments}}
 
     def closing(self, usage: UsageTally) -> dict[str, Any]:
         return self._body("chat.completion.chunk", [], True, usage.body())
 
     def whole(self, results: list[ChoiceResult], usage: UsageTally) -> dict[str, Any]:
-        choices = [{"index": r.index, "message": {"role": "assistant", "content": r.text, "refusal": None},
-                    "logprobs": self._logprobs(r.logprobs), "finish_reason": r.finish_reason} for r in results]
+        choices = [{"index": r.index, "message": self._message(r), "logprobs": self._logprobs(r.logprobs),
+                    "finish_reason": r.finish_reason} for r in results]
         return self._body("chat.completion", choices, True, usage.body())
+
+    @staticmethod
+    def _message(result: ChoiceResult) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+        if result.reasoning:
+            message["reasoning_content"] = result.reasoning
+        if result.tool_calls:
+            message["content"] = result.text or None  # OpenAI's: no text beside the calls is null
+            message["tool_calls"] = [{"id": new_call_id(), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in result.tool_calls]
+        return message

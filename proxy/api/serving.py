@@ -24,17 +24,21 @@ import grpc
 from engine.output_processor import OutputDelta, OutputProcessor
 from engine.types import PositionLogprobs, SamplingParams
 from proxy.api.auth import APIKeys
+from proxy.api.choice_parser import ChoiceParser
+from proxy.api.errors import APIError
 from proxy.api.limits import RequestLimits
 from proxy.api.metrics import ProxyMetrics
-from proxy.api.openai_api import APIError
+from proxy.api.parsers.base import ParsedText
 from proxy.api.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from proxy.api.responses import MIN_LOGPROB, ChoiceDelta, TokenLogprob, finite
 from proxy.routing.clients import NodeError
 from proxy.routing.errors import NoHealthyNodes, Overloaded, without_addresses
 from proxy.routing.pd import PDPipeline, TokenChunk
+from settings.chat import ChatSettings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+Parsing = Callable[[], ChoiceParser] | None  # a factory of each choice's text parser (reasoning, tool calls)
 
 # Threads that decode and tokenize request bodies. More than one, so that one huge body does not hold up the
 # requests behind it; Hugging Face's fast tokenizers release the GIL while they encode.
@@ -67,6 +71,7 @@ class ProxyState:
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS
     limits: RequestLimits = field(default_factory=RequestLimits)
     metrics_need_key: bool = False
+    chat: ChatSettings = field(default_factory=ChatSettings)  # tool-call and reasoning parsers
     metrics: ProxyMetrics = field(init=False)  # each state its own registry: several apps fit in one process
     num_running: int = field(init=False, default=0)  # choices in flight
     # each token's text on its own (for logprobs), shared by every request's OutputProcessor
@@ -158,9 +163,10 @@ def _token_logprob(output: OutputProcessor, token_id: int, position: PositionLog
                         [(output.token_text(t), finite(lp.logprob)) for t, lp in ranked])
 
 
-async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival: float
+async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival: float, parsing: Parsing
                    ) -> AsyncGenerator[ChoiceDelta, None]:
     output = OutputProcessor(state.tokenizer, sub.prompt_token_ids, sub.params, state.token_texts)
+    parser = parsing() if parsing is not None else None
     num_top = sub.params.logprobs
     deadline = time.time() + state.request_timeout_s
     recorder = state.metrics.request(arrival, len(sub.prompt_token_ids))
@@ -175,8 +181,11 @@ async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival:
             finish = str(output.finish_reason) if output.finish_reason is not None else None
             if finish is not None:
                 recorder.finish(finish)
-            yield ChoiceDelta(sub.index, "".join(d.text for d in deltas), len(tokens), logprobs, finish,
-                              chunk.num_cached_tokens)
+            text = "".join(d.text for d in deltas)
+            if parser is None:
+                yield ChoiceDelta(sub.index, text, len(tokens), logprobs, finish, chunk.num_cached_tokens)
+            else:
+                yield _parsed_delta(sub.index, parser, text, len(tokens), logprobs, finish, chunk.num_cached_tokens)
             if finish is not None:
                 return  # after a stop string, closing the stream aborts the rest on the nodes
     except Exception as e:
@@ -190,8 +199,23 @@ async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival:
         recorder.close()
 
 
-async def generate(state: ProxyState, request_id: str, subs: list[SubRequest], arrival: float
-                   ) -> AsyncGenerator[ChoiceDelta, None]:
+def _parsed_delta(index: int, parser: ChoiceParser, text: str, num_tokens: int, logprobs: list[TokenLogprob],
+                  finish: str | None, num_cached_tokens: int | None) -> ChoiceDelta:
+    """A delta of a choice whose text is parsed (reasoning, tool calls). A choice that called tools and ended
+    on its own finishes with "tool_calls", as OpenAI's do."""
+    parsed = parser.feed(text)
+    if finish is not None:
+        rest = parser.finish()
+        parsed = ParsedText(parsed.content + rest.content, parsed.reasoning + rest.reasoning,
+                            parsed.tool_calls + rest.tool_calls)
+        if finish == "stop" and parser.made_calls:
+            finish = "tool_calls"
+    return ChoiceDelta(index, parsed.content, num_tokens, logprobs, finish, num_cached_tokens, parsed.reasoning,
+                       parsed.tool_calls)
+
+
+async def generate(state: ProxyState, request_id: str, subs: list[SubRequest], arrival: float,
+                   parsing: Parsing = None) -> AsyncGenerator[ChoiceDelta, None]:
     """The deltas of all choices, interleaved as they come. An error in any choice ends them all and is
     raised as an APIError; so is admission beyond max_num_requests (429)."""
     limit = state.max_num_requests
@@ -200,23 +224,23 @@ async def generate(state: ProxyState, request_id: str, subs: list[SubRequest], a
     state.num_running += len(subs)
     try:
         if len(subs) == 1:
-            async with contextlib.aclosing(_run_one(state, request_id, subs[0], arrival)) as one:
+            async with contextlib.aclosing(_run_one(state, request_id, subs[0], arrival, parsing)) as one:
                 async for delta in one:
                     yield delta
             return
-        async for delta in _merged(state, request_id, subs, arrival):
+        async for delta in _merged(state, request_id, subs, arrival, parsing):
             yield delta
     finally:
         state.num_running -= len(subs)
 
 
-async def _merged(state: ProxyState, request_id: str, subs: list[SubRequest], arrival: float
+async def _merged(state: ProxyState, request_id: str, subs: list[SubRequest], arrival: float, parsing: Parsing
                   ) -> AsyncGenerator[ChoiceDelta, None]:
     queue: asyncio.Queue[ChoiceDelta | APIError | None] = asyncio.Queue()  # None: a choice ended
 
     async def pump(sub: SubRequest) -> None:
         try:
-            async with contextlib.aclosing(_run_one(state, request_id, sub, arrival)) as one:
+            async with contextlib.aclosing(_run_one(state, request_id, sub, arrival, parsing)) as one:
                 async for delta in one:
                     queue.put_nowait(delta)
             queue.put_nowait(None)

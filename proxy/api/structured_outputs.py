@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from engine.types import StructuredOutputsParams
-from proxy.api.openai_api import bad_request
+from proxy.api.errors import bad_request
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 _CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.types import FinishReason, PositionLogprobs, SamplingParams
+from engine.types import FinishReason, PositionLogprobs, PromptLogprobs, SamplingParams
 from node_common.tls import PLAINTEXT, ChannelSecurity
 from proxy.routing.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts, Retries
 from proxy.routing.clients import DecodeClient, NodeError, PrefillClient, Prefilled
@@ -64,6 +65,9 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_cached_tokens: int | None = None  # on the first chunk: the prefix hit of the node that prefilled
+    # on the first chunk, when params.prompt_logprobs asked: vLLM's shape, None for position 0 then a dict per
+    # prompt position (decoded_token left None), from the node that prefilled the prompt
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class PDPipeline:
@@ -120,6 +124,8 @@ class PDPipeline:
                          ) -> AsyncGenerator[TokenChunk, None]:
         """D prefills the prompt and streams every token; with `output_token_ids` (sent to the client already),
         D continues the request after them."""
+        if output_token_ids:  # the prompt logprobs went out with the first chunk (and would cost D its prefix hits)
+            params = dataclasses.replace(params, prompt_logprobs=None)
         tried: set[str] = set()
         finished = False
         attempt_id = retries.attempt_id(Role.DECODE)
@@ -138,7 +144,8 @@ class PDPipeline:
                             finished = out.finish_reason is not None
                             # a continuation's prefix hit is not the prompt's: that was reported with the first token
                             yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id,
-                                             None if output_token_ids else out.num_cached_tokens)
+                                             None if output_token_ids else out.num_cached_tokens,
+                                             out.prompt_logprobs)
                     return
                 except NodeError as e:
                     failure = e
@@ -175,13 +182,15 @@ class PDPipeline:
             return
         holder, prefilled = got
         held = prefilled.ticket  # pinned on `holder` until released
+        # the prompt logprobs go out with the first chunk: not again from D, nor from a prefill again
+        params = dataclasses.replace(params, prompt_logprobs=None)
         finished = prefilled.finish_reason is not None or prefilled.ticket is None
         attempt_id = retries.attempt_id(Role.DECODE)
         try:
             # inside the try: a client gone right after the first token still releases the ticket
             first_logprobs = [prefilled.first_logprobs] if prefilled.first_logprobs else []
             yield TokenChunk([prefilled.first_token], first_logprobs, prefilled.finish_reason,
-                             num_cached_tokens=prefilled.num_cached_tokens)
+                             num_cached_tokens=prefilled.num_cached_tokens, prompt_logprobs=prefilled.prompt_logprobs)
             if finished:
                 return
             while True:

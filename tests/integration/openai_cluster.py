@@ -69,15 +69,17 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def running_cluster(model: Path, log_dir: Path, with_guarded_proxy: bool = True,
-                    decode_args: list[str] | None = None) -> Iterator[Cluster]:
+                    decode_args: list[str] | None = None, node_args: list[str] | None = None) -> Iterator[Cluster]:
     """P, D and a proxy that disaggregates every request (so the first token, its logprobs and the prefix hit
     come from P); with_guarded_proxy adds one with the router's default (short prompts run on D alone), an API
-    key and --max-num-requests 1; decode_args are extra flags of D. Everything is stopped on exit."""
+    key and --max-num-requests 1; decode_args are extra flags of D, node_args of both nodes. Everything is
+    stopped on exit."""
     processes: list[Process] = []
     try:
-        prefill, prefill_address = launch_node("prefill", model, "nixl", log_dir)
+        prefill, prefill_address = launch_node("prefill", model, "nixl", log_dir, node_args)
         processes.append(prefill)
-        decode, decode_address = launch_node("decode", model, "nixl", log_dir, decode_args)
+        decode, decode_address = launch_node("decode", model, "nixl", log_dir,
+                                             [*(node_args or []), *(decode_args or [])])
         processes.append(decode)
         for node in (prefill, decode):
             node.wait_for_line("READY")

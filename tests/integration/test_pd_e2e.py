@@ -280,6 +280,60 @@ def test_decode_reuses_its_own_prefix_cache_instead_of_pulling(cluster: Cluster,
     assert r.json()["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_prompt_logprobs_from_the_nodes_equal_the_offline_engines(cluster: Cluster) -> None:
+    """P returns them with the first token, D with a colocated request's first token, and the pipeline hands them
+    to the HTTP layer on the first chunk either way (the second run finds the prompt in D's prefix cache: the
+    request must not take those hits)."""
+    if cluster.backend != "nixl":
+        pytest.skip("prompt logprobs do not depend on the transport")
+    from engine import LLM, SamplingParams
+    from engine.types import PromptLogprobs
+    from proxy.routing.clients import DecodeClient, PrefillClient
+    from proxy.routing.directory import NodeDirectory
+    from proxy.routing.pd import PDPipeline
+    from proxy.routing.router import Router, RouterConfig
+
+    prompt = prompts(1, 14, seed=13)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    offline = LLM(model=str(cluster.model), dtype="float32", block_size=4).generate([prompt], params)[0]
+    expected = offline.prompt_logprobs
+    assert expected is not None and len(expected) == len(prompt)
+
+    async def through_the_nodes() -> list[PromptLogprobs | None]:
+        deadline = time.time() + 30
+        prefill, decode = PrefillClient(cluster.prefill_address), DecodeClient(cluster.decode_address)
+        prefilled = await prefill.prefill("prompt-logprobs-p", prompt, params, deadline)
+        assert prefilled.ticket is not None
+        await prefill.release(prefilled.ticket)
+        colocated = [out async for out in decode.generate("prompt-logprobs-d", prompt, params, None, deadline)]
+        assert all(out.prompt_logprobs is None for out in colocated[1:])
+        results = [prefilled.prompt_logprobs, colocated[0].prompt_logprobs]
+        for colocate_max_tokens in (0, 1000):  # disaggregated, then colocated
+            directory = NodeDirectory([cluster.prefill_address], [cluster.decode_address], block_size=4)
+            pipeline = PDPipeline(directory, Router(directory, RouterConfig(block_size=4,
+                                                                            colocate_max_tokens=colocate_max_tokens)))
+            try:
+                chunks = [c async for c in pipeline.generate(f"prompt-logprobs-{colocate_max_tokens}", prompt,
+                                                             params, deadline)]
+            finally:
+                await pipeline.close()
+            assert [t for c in chunks for t in c.token_ids] == offline.outputs[0].token_ids
+            assert all(c.prompt_logprobs is None for c in chunks[1:])
+            results.append(chunks[0].prompt_logprobs)
+        for client in (prefill, decode):
+            await client.close()
+        return results
+
+    for result in asyncio.run(through_the_nodes()):
+        assert result is not None and len(result) == len(expected) and result[0] is None
+        for got, want in zip(result[1:], expected[1:], strict=True):
+            assert got is not None and want is not None and set(got) == set(want)
+            assert all(got[t].rank == want[t].rank and abs(got[t].logprob - want[t].logprob) < 1e-5 for t in got)
+    for role in ("prefill", "decode"):
+        stats = cluster.stats(role)
+        assert stats.free_kv_blocks == stats.total_kv_blocks
+
+
 # Last in the file: it restarts the module's prefill node, so every other test of a backend has run before it.
 def test_a_restarted_prefill_node_rejects_an_old_ticket(cluster: Cluster) -> None:
     if cluster.backend == "auto":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.types import Logprob, SamplingParams
+from engine.types import Logprob, SamplingParams, StructuredOutputsParams
 from protos import tandem_pb2 as pb
 from protos.convert import (
     deadline_from_proto,
@@ -21,6 +22,8 @@ from protos.convert import (
     logprobs_to_proto,
     params_from_proto,
     params_to_proto,
+    prompt_logprobs_from_proto,
+    prompt_logprobs_to_proto,
     stats_from_proto,
     stats_to_proto,
     ticket_from_proto,
@@ -169,7 +172,8 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
         repetition_penalty=draw(st.floats(0, 1e6, exclude_min=True)), max_tokens=max_tokens,
         min_tokens=draw(st.integers(0, max_tokens or 2**31 - 1)),
         stop_token_ids=draw(st.lists(st.integers(0, 2**31 - 1), max_size=4)), ignore_eos=draw(st.booleans()),
-        logprobs=draw(st.one_of(st.none(), st.integers(0, 2**31 - 1))))
+        logprobs=draw(st.one_of(st.none(), st.integers(0, 2**31 - 1))),
+        prompt_logprobs=draw(st.one_of(st.none(), st.integers(0, 2**31 - 1))))
 
 
 @WIRE
@@ -184,7 +188,8 @@ def test_any_sampling_params_survive_protobuf(params: SamplingParams) -> None:
     pb.SamplingParams, temperature=st.floats(), top_p=st.floats(), top_k=INT32, min_p=st.floats(),
     seed=st.one_of(st.none(), INT64), presence_penalty=st.floats(), frequency_penalty=st.floats(),
     repetition_penalty=st.floats(), max_tokens=st.one_of(st.none(), INT32), min_tokens=INT32,
-    stop_token_ids=st.lists(INT32, max_size=3), ignore_eos=st.booleans(), logprobs=st.one_of(st.none(), INT32)))
+    stop_token_ids=st.lists(INT32, max_size=3), ignore_eos=st.booleans(), logprobs=st.one_of(st.none(), INT32),
+    prompt_logprobs=st.one_of(st.none(), INT32)))
 def test_any_sampling_params_message_is_valid_params_or_a_value_error(message: pb.SamplingParams) -> None:
     try:
         params = params_from_proto(message)
@@ -196,6 +201,7 @@ def test_any_sampling_params_message_is_valid_params_or_a_value_error(message: p
     assert 0 < params.repetition_penalty < math.inf and params.temperature < math.inf
     assert params.top_k >= 0 and params.min_tokens >= 0 and (params.max_tokens or 1) >= 1
     assert all(t >= 0 for t in params.stop_token_ids or []) and (params.logprobs or 0) >= 0
+    assert (params.prompt_logprobs or 0) >= 0
 
 
 def test_non_finite_sampling_numbers_and_deadlines_are_refused() -> None:
@@ -220,6 +226,48 @@ def test_any_logprobs_survive_protobuf(position: dict[int, Logprob]) -> None:
     encoded = logprobs_to_proto(position)
     assert encoded is not None
     assert logprobs_from_proto(pb.PositionLogprobs.FromString(encoded.SerializeToString())) == position
+
+
+@WIRE
+@given(positions=st.lists(st.dictionaries(st.integers(0, 2**31 - 1),
+                                          st.builds(Logprob, FINITE, st.integers(1, 2**31 - 1)), min_size=1,
+                                          max_size=3), max_size=4))
+def test_any_prompt_logprobs_survive_protobuf(positions: list[dict[int, Logprob]]) -> None:
+    prompt_logprobs = [None, *positions]  # position 0 has none
+    encoded = prompt_logprobs_to_proto(prompt_logprobs).SerializeToString()
+    assert prompt_logprobs_from_proto(pb.PromptLogprobs.FromString(encoded)) == prompt_logprobs
+
+
+STRUCTURAL_TAG = json.dumps({"type": "structural_tag", "triggers": ["<tool_call>"], "structures": [
+    {"begin": "<tool_call>{\"name\": \"f\", \"arguments\": ", "schema": {"type": "object"}, "end": "}</tool_call>"}]})
+
+
+def test_logit_bias_and_a_structural_tag_survive_protobuf() -> None:
+    params = SamplingParams(temperature=0.0, logit_bias={0: -100, 7: 2.5, 2**31 - 1: 100},
+                            structured_outputs=StructuredOutputsParams(structural_tag=STRUCTURAL_TAG,
+                                                                       disable_any_whitespace=True))
+    message = pb.SamplingParams.FromString(params_to_proto(params).SerializeToString())
+    assert dict(message.logit_bias) == {0: -100.0, 7: 2.5, 2**31 - 1: 100.0}
+    assert message.structured_outputs.structural_tag == STRUCTURAL_TAG
+    assert params_from_proto(message) == params
+    assert params_from_proto(params_to_proto(SamplingParams())).logit_bias is None  # an empty map: none
+
+
+@pytest.mark.parametrize("logit_bias, match", [({-1: 1.0}, "logit_bias token ids"),
+                                               ({3: 100.5}, "logit_bias of token 3"),
+                                               ({3: math.nan}, "logit_bias of token 3")])
+def test_a_bad_logit_bias_from_the_wire_is_a_value_error(logit_bias: dict[int, float], match: str) -> None:
+    message = params_to_proto(SamplingParams())
+    message.logit_bias.update(logit_bias)
+    with pytest.raises(ValueError, match=match):
+        params_from_proto(message)
+
+
+@WIRE
+@given(logit_bias=st.dictionaries(st.integers(0, 2**31 - 1), st.floats(-100, 100), max_size=5))
+def test_any_logit_bias_survives_protobuf(logit_bias: dict[int, float]) -> None:
+    params = SamplingParams(logit_bias=logit_bias)
+    assert params_from_proto(pb.SamplingParams.FromString(params_to_proto(params).SerializeToString())) == params
 
 
 COUNT32, COUNT64 = st.integers(0, 2**31 - 1), st.integers(0, 2**63 - 1)

@@ -14,7 +14,8 @@ import pytest
 
 from engine.types import FinishReason, Logprob, SamplingParams
 from proxy.api.app import create_app
-from proxy.api.openai_api import APIError, parse_chat, parse_completion
+from proxy.api.errors import APIError
+from proxy.api.openai_api import parse_chat, parse_completion
 from proxy.api.responses import ChatFormat, ChoiceDelta, CompletionFormat, Header, TokenLogprob, UsageTally
 from proxy.api.serving import ProxyState, api_error, fan_out, generate
 from proxy.routing.clients import NodeError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.api.openai_api import APIError
+from proxy.api.errors import APIError
 from proxy.api.request_body import decode_json, lone_surrogate_at
 
 

@@ -13,7 +13,8 @@ import pytest
 from engine.types import SamplingParams, StructuredOutputsParams
 from protos import tandem_pb2 as pb
 from protos.convert import params_from_proto, params_to_proto
-from proxy.api.openai_api import APIError, parse_chat, parse_completion
+from proxy.api.errors import APIError
+from proxy.api.openai_api import parse_chat, parse_completion
 from proxy.api.openapi import ServedAPI, openapi_schema
 
 MESSAGES = [{"role": "user", "content": "hi"}]
