@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from engine.scheduler import ScheduledRequest
 
 # The float32 log-softmax of a slice of rows stays under this: a long prefill chunk's rows times a vocabulary of
-# 150k would otherwise take gigabytes at once.
-_SLICE_BYTES = 256 << 20
+# 150k would otherwise take gigabytes at once, outside what the GPU memory plan profiled (engine/device.py).
+_SLICE_BYTES = 64 << 20
 
 
 class LogitsModel(Protocol):

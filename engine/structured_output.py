@@ -92,8 +92,10 @@ def choice_grammar(choices: Iterable[str]) -> str:
 
 
 # what a JSON string may hold unescaped, as code point ranges (no control characters, no surrogates); the
-# astral range as characters: xgrammar's regex has no escape beyond \\uFFFF
-_JSON_STRING_CHARACTERS = "\\u0020-\\ud7ff\\ue000-\\uffff\U00010000-\U0010ffff"
+# astral range as characters: xgrammar's regex has no escape beyond \\uFFFF. Without '"' (U+0022) and '\\'
+# (U+005C): the pattern's characters go into the JSON string as they are, so an unescaped quote there would end
+# the string early and the rest of the "string" would be JSON the schema never allowed (seen with SmolLM2)
+_JSON_STRING_CHARACTERS = "\\u0020-\\u0021\\u0023-\\u005b\\u005d-\\ud7ff\\ue000-\\uffff\U00010000-\U0010ffff"
 # keywords whose values are JSON data, not schemas: left as they are
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 

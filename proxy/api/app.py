@@ -34,9 +34,18 @@ from proxy.api.errors import APIError
 from proxy.api.metrics import poll_nodes
 from proxy.api.openai_api import Generation
 from proxy.api.openapi import ServedAPI, openapi_schema
-from proxy.api.prepare import check_length, check_model, prepare_chat, prepare_completion
+from proxy.api.prepare import check_length, check_model, echoed_prompts, prepare_chat, prepare_completion
 from proxy.api.request_body import read_body
-from proxy.api.responses import ChatFormat, ChoiceDelta, ChoiceResult, CompletionFormat, Header, UsageTally, sse
+from proxy.api.responses import (
+    ChatFormat,
+    ChoiceDelta,
+    ChoiceResult,
+    CompletionFormat,
+    EchoedPrompt,
+    Header,
+    UsageTally,
+    sse,
+)
 from proxy.api.responses_api import ResponseRun, prepare_response
 from proxy.api.serving import Parsing, ProxyState, SubRequest, fan_out, generate
 from proxy.api.tokenize import detokenize, tokenize
@@ -127,9 +136,11 @@ def create_app(state: ProxyState) -> Starlette:
             _authorize(state, request)
             body = await read_body(request, state.max_request_body_bytes)
             parsed, prompts = await state.off_loop(prepare_completion, state, body)
+            echo = await state.off_loop(echoed_prompts, state, parsed.prompts, prompts) if parsed.echo else None
         except APIError as e:
             return _error_response(e)
-        return await _serve(request, state, CompletionFormat, prompts, parsed.generation, arrival, "prompt")
+        return await _serve(request, state, CompletionFormat, prompts, parsed.generation, arrival, "prompt",
+                            echo=echo)
 
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
@@ -222,14 +233,17 @@ def _authorize(state: ProxyState, request: Request) -> None:
 # ---- serving a request ----
 
 async def _serve(request: Request, state: ProxyState, format_class: type[Format], prompts: list[list[int]],
-                 generation: Generation, arrival: float, param: str, parsing: Parsing = None) -> Response:
+                 generation: Generation, arrival: float, param: str, parsing: Parsing = None,
+                 echo: list[EchoedPrompt] | None = None) -> Response:
     params = generation.params
     try:
         check_length(state.max_model_len, prompts, params.max_tokens, param)
     except APIError as e:
         return _error_response(e)
     header = Header(f"{format_class.id_prefix}-{uuid.uuid4().hex}", state.served_model_name, int(time.time()))
-    fmt = format_class(header, params.logprobs is not None, generation.include_usage)
+    fmt: Format = (CompletionFormat(header, params.logprobs is not None, generation.include_usage, echo, params.n)
+                   if format_class is CompletionFormat else
+                   format_class(header, params.logprobs is not None, generation.include_usage))
     subs = fan_out(prompts, params)
     usage = UsageTally(sum(len(p) for p in prompts), params.n)
     deltas = generate(state, header.request_id, subs, arrival, parsing)
@@ -242,7 +256,8 @@ async def _serve(request: Request, state: ProxyState, format_class: type[Format]
         return _error_response(e)
     except (ClientGone, StopAsyncIteration):
         return Response(status_code=499)  # nobody reads it
-    return StreamingResponse(_events(fmt, len(subs), first, deltas, usage), media_type="text/event-stream",
+    continuous = generation.include_usage and generation.continuous_usage  # vLLM's: both must be asked for
+    return StreamingResponse(_events(fmt, len(subs), first, deltas, usage, continuous), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -259,15 +274,15 @@ async def _collect(deltas: AsyncGenerator[ChoiceDelta, None], subs: list[SubRequ
 
 
 async def _events(fmt: Format, num_choices: int, first: ChoiceDelta, deltas: AsyncGenerator[ChoiceDelta, None],
-                  usage: UsageTally) -> AsyncIterator[str]:
+                  usage: UsageTally, continuous_usage: bool) -> AsyncIterator[str]:
     try:
         for opening in fmt.opening(num_choices):
-            yield sse(opening)
+            yield sse({**opening, "usage": usage.body()} if continuous_usage else opening)
         async for delta in _chain(first, deltas):
             usage.add(delta)
             chunk = fmt.chunk(delta)
             if chunk is not None:
-                yield sse(chunk)
+                yield sse({**chunk, "usage": usage.body()} if continuous_usage else chunk)
         if fmt.include_usage:
             yield sse(fmt.closing(usage))
     except APIError as e:

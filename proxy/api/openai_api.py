@@ -9,13 +9,15 @@ rather than silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import SamplingParams
+from engine.types import SamplingParams, logit_bias_from_json
 from proxy.api.chat_messages import ChatMessage, parse_messages
 from proxy.api.errors import bad_request
+from proxy.api.fields import Endpoint, check_fields
 from proxy.api.limits import DEFAULT_LIMITS, MAX_CHOICES, RequestLimits
 from proxy.api.tools import NO_TOOLS, ToolUse, parse_tools
 
@@ -31,12 +33,15 @@ class Generation:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: the usage so far in every chunk
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
     prompts: list[str | list[int]]  # one or more; choices come prompt-major: index = prompt * n + sample
     generation: Generation
+    add_special_tokens: bool = True  # the tokenizer's (a BOS, for models that have one) around text prompts
+    echo: bool = False  # each choice's text starts with its prompt's
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class ChatRequest:
     tools: ToolUse = NO_TOOLS
     continue_final_message: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, to the template as is
+    add_special_tokens: bool = False  # the template writes the special tokens itself
 
 
 # ---- field readers: each raises a 400 naming the field ----
@@ -126,17 +132,18 @@ def _token_ids(value: Any, key: str) -> list[int]:
     return token_ids
 
 
-def _refuse_if_given(body: dict[str, Any], key: str, kind: type, message: str, param: str | None = None) -> None:
-    """A parameter we cannot honour: absent, null or empty (of its type) is fine; anything else is refused."""
-    value = body.get(key)
-    if value is not None and not isinstance(value, kind):
-        raise bad_request(f"'{key}' must be {_kind_names((kind,))}, got {value!r}"[:300], param or key)
-    if value:
-        raise bad_request(message, param or key, "unsupported_parameter")
-
-
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    _refuse_if_given(body, "logit_bias", dict, "'logit_bias' is not supported yet")
+def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
+    """OpenAI's token id (a decimal string) -> bias in [-100, 100]; ids beyond the vocabulary are the nodes' 400."""
+    try:
+        bias = logit_bias_from_json(body.get("logit_bias"))
+    except ValueError as e:
+        raise bad_request(str(e)[:300], "logit_bias") from None
+    for token_id, value in (bias or {}).items():
+        if token_id >= 2**31:  # the wire's int32: such an id is in no vocabulary
+            raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad_request(f"logit_bias of token {token_id} must be a number, got {value!r}"[:300], "logit_bias")
+    return bias or None
 
 
 def _limited_max_tokens(max_tokens: int | None, default: int | None, limits: RequestLimits, param: str
@@ -164,7 +171,10 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
     if num_top_logprobs is not None and not 0 <= num_top_logprobs <= limits.max_logprobs:
         raise bad_request(f"the number of top logprobs must be in [0, {limits.max_logprobs}] (this server's "
                           f"limit), got {num_top_logprobs}", "top_logprobs" if "top_logprobs" in body else "logprobs")
-    _refuse_unsupported(body)
+    prompt_logprobs = _integer(body, "prompt_logprobs", None)
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= limits.max_logprobs:
+        raise bad_request(f"'prompt_logprobs' must be in [0, {limits.max_logprobs}] (this server's limit), got "
+                          f"{prompt_logprobs}", "prompt_logprobs")
     # response_format and vLLM's structured_outputs / guided_*; imported here: that module raises our APIError
     from proxy.api.structured_outputs import parse_structured_outputs
 
@@ -183,7 +193,8 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
             stop_token_ids=None if stop_token_ids is None else _token_ids(stop_token_ids, "stop_token_ids"),
             include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
             ignore_eos=_flag(body, "ignore_eos", False), logprobs=num_top_logprobs,
-            skip_special_tokens=_flag(body, "skip_special_tokens", True), structured_outputs=structured_outputs)
+            skip_special_tokens=_flag(body, "skip_special_tokens", True), structured_outputs=structured_outputs,
+            logit_bias=_logit_bias(body), prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise bad_request(str(e), field) from e
@@ -191,8 +202,14 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
     stream_options = _typed(body, "stream_options", (dict,), None)
     if stream_options is not None and not stream:
         raise bad_request("'stream_options' is only allowed with stream=true", "stream_options")
-    include_usage = bool(_typed(stream_options or {}, "include_usage", (bool,), False))
-    return Generation(model, params, stream, include_usage)
+    options = stream_options or {}
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise bad_request(f"stream_options.{str(unknown[0])[:40]} is not supported; the options are include_usage "
+                          "and continuous_usage_stats", "stream_options", "unsupported_parameter")
+    include_usage = bool(_typed(options, "include_usage", (bool,), False))
+    continuous_usage = bool(_typed(options, "continuous_usage_stats", (bool,), False))
+    return Generation(model, params, stream, include_usage, continuous_usage)
 
 
 def _body(body: Any) -> dict[str, Any]:
@@ -205,6 +222,7 @@ def _body(body: Any) -> dict[str, Any]:
 
 def parse_completion(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> CompletionRequest:
     body = _body(raw)
+    check_fields(body, Endpoint.COMPLETIONS)
     prompt = body.get("prompt")
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
@@ -219,14 +237,16 @@ def parse_completion(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> Comple
         raise bad_request("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
     if any(not p for p in prompts):
         raise bad_request("'prompt' must not be empty", "prompt")
-    if _flag(body, "echo", False):
-        raise bad_request("'echo' is not supported yet", "echo", "unsupported_parameter")
-    _refuse_if_given(body, "suffix", str, "'suffix' is not supported")
+    echo = _flag(body, "echo", False)
     max_tokens = _limited_max_tokens(_integer(body, "max_tokens", None), 16, limits, "max_tokens")
     generation = _generation(body, max_tokens, _integer(body, "logprobs", None), limits)
+    params = generation.params
+    if echo and params.logprobs is not None:  # the echoed prompt's tokens get logprobs too: the prefill computes them
+        wanted = max(params.logprobs, params.prompt_logprobs or 0)
+        generation = dataclasses.replace(generation, params=dataclasses.replace(params, prompt_logprobs=wanted))
     if len(prompts) * generation.params.n > limits.max_n:
         raise bad_request(f"prompts x n must be at most {limits.max_n} (this server's limit)", "n")
-    return CompletionRequest(prompts, generation)
+    return CompletionRequest(prompts, generation, _flag(body, "add_special_tokens", True), echo)
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (each has its request field)
@@ -247,14 +267,9 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 def parse_chat(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     body = _body(raw)
+    check_fields(body, Endpoint.CHAT)
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(body)
-    for key in ("chat_template", "documents", "reasoning_effort"):
-        if body.get(key) is not None:
-            why = {"chat_template": "the server's template is used (vLLM's --trust-request-chat-template is off)",
-                   "documents": "RAG documents are not rendered", "reasoning_effort": "no served template reads it; "
-                   "send chat_template_kwargs (e.g. {\"enable_thinking\": false}) instead"}[key]
-            raise bad_request(f"'{key}' is not supported: {why}", key, "unsupported_parameter")
     # both are checked, the newer name wins
     max_tokens = _integer(body, "max_tokens", None)
     max_completion_tokens = _integer(body, "max_completion_tokens", None)
@@ -273,4 +288,5 @@ def parse_chat(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
     if continue_final and add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
-    return ChatRequest(messages, add_generation_prompt, generation, tools, continue_final, _template_kwargs(body))
+    return ChatRequest(messages, add_generation_prompt, generation, tools, continue_final, _template_kwargs(body),
+                       _flag(body, "add_special_tokens", False))

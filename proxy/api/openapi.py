@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import FinishReason
+from proxy.api.fields import Endpoint
 from proxy.api.limits import RequestLimits
 from proxy.api.openai_api import integer_bounds
+from proxy.api.openapi_chat import ANSWER_DELTA, ANSWER_MESSAGE, CHAT_MESSAGE, chat_tool_properties, table_properties
 from proxy.api.structured_outputs import openapi_properties
 
 INT32_MAX = integer_bounds(32)[1]
@@ -68,13 +70,6 @@ def _flag(description: str, default: bool) -> Schema:
     return _nullable({"type": "boolean", "default": default, "description": description})
 
 
-def _refused_unless_empty(kind: str, description: str) -> Schema:
-    """A parameter the proxy cannot honour: absent, null or empty only."""
-    bound = {"object": "maxProperties", "array": "maxItems", "string": "maxLength"}[kind]
-    return _nullable({"type": kind, bound: 0, "description": f"{description} Not supported: absent, null or empty "
-                                                             "only (400 unsupported_parameter otherwise)."})
-
-
 def _sampling_properties(api: ServedAPI) -> dict[str, Schema]:
     """What both endpoints share (openai_api._generation)."""
     model = _nullable({"type": "string", "enum": [api.served_model_name, ""],
@@ -106,8 +101,20 @@ def _sampling_properties(api: ServedAPI) -> dict[str, Schema]:
         "skip_special_tokens": _flag("Leave special tokens out of the text.", True),
         "stream": _flag("Answer as server-sent events (text/event-stream), ending with `data: [DONE]`.", False),
         "stream_options": _nullable({"type": "object", "description": "Only with stream: true.",
-                                     "properties": {"include_usage": _flag("A last chunk with the usage.", False)}}),
-        "logit_bias": _refused_unless_empty("object", "Token id -> bias."),
+                                     "additionalProperties": False,
+                                     "properties": {"include_usage": _flag("A last chunk with the usage.", False),
+                                                    "continuous_usage_stats": _flag(
+                                                        "With include_usage: the usage so far in every chunk.",
+                                                        False)}}),
+        "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                                 "description": "Token id (decimal text) -> bias added to its logit before sampling; "
+                                                "an id outside the vocabulary: 400 from the nodes."}),
+        "prompt_logprobs": _integer(0, api.limits.max_logprobs, "vLLM's: each prompt token's logprob and the top-N "
+                                                                "at its position (in the choice's prompt_logprobs)."),
+        "add_special_tokens": _flag("Let the tokenizer add its special tokens (completions: true; chat: false, the "
+                                    "template writes them).", True),
+        "request_id": {"description": "Accepted, no effect: responses carry the proxy's own id."},
         **openapi_properties(),  # response_format, structured_outputs, guided_*
     }
 
@@ -136,17 +143,16 @@ def _completion_request(api: ServedAPI) -> Schema:
     token_ids = {"type": "array", "items": token_id, "minItems": 1}
     text = {"type": "string", "minLength": 1}
     return {
-        "type": "object", "required": ["prompt"], **_STREAM_OPTIONS_NEED_STREAM,
-        "properties": {
+        "type": "object", "required": ["prompt"], **_STREAM_OPTIONS_NEED_STREAM, "additionalProperties": False,
+        "properties": table_properties(Endpoint.COMPLETIONS, {
             "prompt": {"description": "A text, a list of token ids, or a list of either (one choice set each).",
                        "anyOf": [text, {"type": "array", "items": text, "minItems": 1}, token_ids,
                                  {"type": "array", "items": token_ids, "minItems": 1}]},
             "max_tokens": _max_tokens(api, 16),
             "logprobs": _integer(0, api.limits.max_logprobs, "Top logprobs per token (legacy format)."),
-            "echo": _nullable({"type": "boolean", "const": False, "description": "Not supported: false only."}),
-            "suffix": _refused_unless_empty("string", "Text after the completion."),
+            "echo": _flag("The prompt's text before each choice's (and its logprobs, with logprobs).", False),
             **_sampling_properties(api),
-        },
+        }),
         "example": {"model": api.served_model_name, "prompt": "Once upon a time", "max_tokens": 8,
                     "temperature": 0.7, "top_p": 0.9, "stop": ["\n"], "logprobs": 2},
     }
@@ -154,12 +160,12 @@ def _completion_request(api: ServedAPI) -> Schema:
 
 def _chat_request(api: ServedAPI) -> Schema:
     return {
-        "type": "object", "required": ["messages"], **_STREAM_OPTIONS_NEED_STREAM,
+        "type": "object", "required": ["messages"], **_STREAM_OPTIONS_NEED_STREAM, "additionalProperties": False,
         # top_logprobs needs logprobs: true
         "dependentSchemas": {"top_logprobs": {"anyOf": [
             {"properties": {"top_logprobs": {"type": "null"}}},
             {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]}},
-        "properties": {
+        "properties": table_properties(Endpoint.CHAT, {
             "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
             "max_completion_tokens": _max_tokens(api, None),
             "max_tokens": _max_tokens(api, None),
@@ -167,32 +173,14 @@ def _chat_request(api: ServedAPI) -> Schema:
             "top_logprobs": _integer(0, api.limits.max_logprobs,
                                      "The most likely tokens per position (needs logprobs)."),
             "add_generation_prompt": _flag("End the templated prompt with the assistant's turn.", True),
-            "tools": _refused_unless_empty("array", "Tool definitions."),
-            "functions": _refused_unless_empty("array", "Function definitions (legacy)."),
+            **chat_tool_properties(),
             **_sampling_properties(api),
-        },
+        }),
         "example": {"model": api.served_model_name, "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 2,
                     "messages": [{"role": "system", "content": "You are terse."},
                                  {"role": "user", "content": [{"type": "text", "text": "Say hi."}]}]},
     }
 
-
-_CHAT_MESSAGE: Schema = {
-    "type": "object", "required": ["role"],
-    "properties": {
-        "role": {"type": "string", "examples": ["system", "developer", "user", "assistant", "tool"],
-                 "description": "Any role the model's chat template takes (a template that refuses one: 400)."},
-        "content": _nullable({"description": "null reads as empty text.", "anyOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": "object", "required": ["type", "text"],
-                                        "properties": {"type": {"type": "string", "const": "text"},
-                                                       "text": {"type": "string"}}},
-             "description": "Text parts only (images, audio: 400)."}]}),
-        "name": _nullable({"type": "string"}),
-        "tool_calls": _refused_unless_empty("array", "An assistant's tool calls."),
-        "function_call": _refused_unless_empty("object", "An assistant's function call (legacy)."),
-    },
-}
 
 _ERROR: Schema = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -207,7 +195,7 @@ _ERROR: Schema = {
                                              "request_too_large", "overloaded", "invalid_api_key"]}}}},
 }
 
-_FINISH_REASON: Schema = {"type": ["string", "null"], "enum": [*(str(r) for r in FinishReason), None]}
+_FINISH_REASON: Schema = {"type": ["string", "null"], "enum": [*(str(r) for r in FinishReason), "tool_calls", None]}
 _USAGE: Schema = {
     "type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
     "properties": {"prompt_tokens": {"type": "integer", "minimum": 0},
@@ -254,13 +242,10 @@ def _choice(required: list[str], properties: Schema) -> Schema:
 
 _COMPLETION_CHOICE = _choice(["text", "logprobs"], {"text": {"type": "string"}, "logprobs": _LEGACY_LOGPROBS})
 _CHAT_CHOICE = _choice(["message", "logprobs"], {
-    "message": {"type": "object", "required": ["role", "content"],
-                "properties": {"role": {"type": "string", "const": "assistant"}, "content": {"type": "string"},
-                               "refusal": {"type": "null"}}},
+    "message": ANSWER_MESSAGE,
     "logprobs": _CHAT_LOGPROBS})
 _CHAT_CHUNK_CHOICE = _choice(["delta"], {
-    "delta": {"type": "object", "properties": {"role": {"type": "string", "const": "assistant"},
-                                               "content": {"type": "string"}}},
+    "delta": ANSWER_DELTA,
     "logprobs": _CHAT_LOGPROBS})
 
 _MODEL: Schema = {
@@ -345,8 +330,8 @@ def openapi_schema(api: ServedAPI) -> Schema:
         "openapi": "3.1.0",
         "info": {"title": "Tandem proxy", "version": "1",
                  "description": "OpenAI-compatible completions and chat completions over disaggregated prefill "
-                                "and decode nodes. Unknown request fields are ignored; a parameter that cannot be "
-                                "honoured is refused (400 unsupported_parameter)."},
+                                "and decode nodes. An unknown request field is refused (400 unknown_parameter), "
+                                "and so is a parameter that cannot be honoured (400 unsupported_parameter)."},
         "paths": {
             "/v1/completions": {"post": _operation(
                 api, "Create completion", _generation_responses(api, "CompletionResponse", "CompletionResponse"),
@@ -379,7 +364,7 @@ def openapi_schema(api: ServedAPI) -> Schema:
         },
         "components": {"schemas": {
             "CompletionRequest": _completion_request(api), "ChatCompletionRequest": _chat_request(api),
-            "ChatMessage": _CHAT_MESSAGE, "ErrorResponse": _ERROR, "Usage": _USAGE,
+            "ChatMessage": CHAT_MESSAGE, "ErrorResponse": _ERROR, "Usage": _USAGE,
             "CompletionResponse": _completion_object("text_completion", _COMPLETION_CHOICE),
             "ChatCompletionResponse": _completion_object("chat.completion", _CHAT_CHOICE),
             "ChatCompletionChunk": _completion_object("chat.completion.chunk", _CHAT_CHUNK_CHOICE),

@@ -16,6 +16,7 @@ from proxy.api.choice_parser import ChoiceParser, choice_parsers
 from proxy.api.errors import APIError, bad_request
 from proxy.api.openai_api import ChatRequest, CompletionRequest, Generation, parse_chat, parse_completion
 from proxy.api.request_body import decode_json
+from proxy.api.responses import EchoedPrompt
 from proxy.api.serving import ProxyState
 from proxy.api.tools import ToolChoice, tool_constraint
 
@@ -32,7 +33,7 @@ class PreparedChat:
 def prepare_completion(state: ProxyState, body: bytes) -> tuple[CompletionRequest, list[list[int]]]:
     parsed = parse_completion(decode_json(body), state.limits)
     check_model(state, parsed.generation.model)
-    return parsed, [prompt_ids(state, p) for p in parsed.prompts]
+    return parsed, [prompt_ids(state, p, parsed.add_special_tokens) for p in parsed.prompts]
 
 
 def prepare_chat(state: ProxyState, body: bytes) -> PreparedChat:
@@ -55,10 +56,17 @@ def prepare_parsed_chat(state: ProxyState, parsed: ChatRequest) -> PreparedChat:
     text = render_chat(state.tokenizer, [m.as_template_input() for m in parsed.messages],
                        [t.as_template_input() for t in use.tools] or None, parsed.add_generation_prompt,
                        parsed.continue_final_message, parsed.template_kwargs)
-    # the template writes the special tokens itself
-    ids = list(state.tokenizer.encode(text, add_special_tokens=False))
+    ids = list(state.tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens))
     return PreparedChat(parsed, generation, text, ids,
                         choice_parsers(use, chat, text))
+
+
+def echoed_prompts(state: ProxyState, prompts: list[str | list[int]], token_ids: list[list[int]]
+                   ) -> list[EchoedPrompt]:
+    """What `echo` puts before each prompt's completions: its text as sent (token ids decoded), its tokens."""
+    return [EchoedPrompt(prompt if isinstance(prompt, str) else state.tokenizer.decode(prompt), ids,
+                         state.tokenizer.decode(ids[:1]))
+            for prompt, ids in zip(prompts, token_ids, strict=True)]
 
 
 def check_model(state: ProxyState, model: str) -> None:
@@ -66,9 +74,9 @@ def check_model(state: ProxyState, model: str) -> None:
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
 
 
-def prompt_ids(state: ProxyState, prompt: str | list[int]) -> list[int]:
+def prompt_ids(state: ProxyState, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, str):
-        return list(state.tokenizer.encode(prompt))
+        return list(state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     vocab = len(state.tokenizer)
     if any(not 0 <= t < vocab for t in prompt):
         raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")

@@ -42,6 +42,8 @@ class ChoiceDelta:
     num_cached_tokens: int | None  # on a choice's first delta: the prefix-cache hit of its prefill
     reasoning: str = ""  # what a --reasoning-parser took out of the text
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    # on a choice's first delta, when prompt_logprobs were asked: vLLM's shape (None, then id -> logprob, rank, text)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclass
@@ -62,8 +64,11 @@ class ChoiceResult:
     finish_reason: str | None = None
     reasoning: str = ""
     tool_calls: list[ResultCall] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
         self.reasoning += delta.reasoning
         self.logprobs += delta.logprobs
@@ -113,16 +118,45 @@ class Header:
     created: int
 
 
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """What `echo` puts before a completion: the prompt's text and, for its logprobs, its token ids and the first
+    token's text (the first position has no logprob, hence no entry to take the text from)."""
+
+    text: str
+    token_ids: list[int]
+    first_token_text: str
+
+    def legacy_logprobs(self, positions: list[dict[str, Any] | None] | None
+                        ) -> tuple[list[str], list[float | None], list[dict[str, float] | None]]:
+        """tokens, token_logprobs, top_logprobs of the prompt, from vLLM-shaped prompt_logprobs."""
+        tokens: list[str] = [self.first_token_text]
+        token_logprobs: list[float | None] = [None]
+        tops: list[dict[str, float] | None] = [None]
+        for i, token_id in enumerate(self.token_ids[1:], start=1):
+            position = (positions[i] if positions is not None and i < len(positions) else None) or {}
+            own = position.get(str(token_id), {})
+            tokens.append(own.get("decoded_token") or "")
+            token_logprobs.append(own.get("logprob"))
+            tops.append({entry["decoded_token"]: entry["logprob"] for entry in position.values()})
+        return tokens, token_logprobs, tops
+
+
 class CompletionFormat:
-    """/v1/completions: object "text_completion", choices with `text` and legacy logprobs."""
+    """/v1/completions: object "text_completion", choices with `text` and legacy logprobs; with `echo`, each
+    choice's text (and logprobs) starts with its prompt's."""
 
     id_prefix = "cmpl"
 
-    def __init__(self, header: Header, with_logprobs: bool, include_usage: bool) -> None:
+    def __init__(self, header: Header, with_logprobs: bool, include_usage: bool,
+                 echo: list[EchoedPrompt] | None = None, n: int = 1) -> None:
         self.header = header
         self.with_logprobs = with_logprobs
         self.include_usage = include_usage
         self.text_offsets: dict[int, int] = {}  # per choice, for the logprobs' text_offset
+        self.echo = echo  # per prompt
+        self.n = n
+        self.echoed: set[int] = set()  # choices whose first chunk went out
 
     def _body(self, choices: list[dict[str, Any]], with_usage_field: bool, usage: dict[str, Any] | None = None
               ) -> dict[str, Any]:
@@ -132,38 +166,55 @@ class CompletionFormat:
             body["usage"] = usage
         return body
 
-    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries: list[TokenLogprob], echoed: tuple[list[str], list[float | None],
+                  list[dict[str, float] | None]] | None = None) -> dict[str, Any] | None:
         """The legacy format. Its top_logprobs hold the sampled token too, as vLLM's do."""
         if not self.with_logprobs:
             return None
+        tokens, token_logprobs, tops = echoed or ([], [], [])
+        tokens = [*tokens, *(e.token for e in entries)]
+        token_logprobs = [*token_logprobs, *(e.logprob for e in entries)]
+        tops = [*tops, *({**dict(e.top), e.token: e.logprob} for e in entries)]
         offset = self.text_offsets.get(index, 0)
         offsets = []
-        for entry in entries:
+        for token in tokens:
             offsets.append(offset)
-            offset += len(entry.token)
+            offset += len(token)
         self.text_offsets[index] = offset
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob]
-                ) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": self._logprobs(index, entries),
-                "finish_reason": finish_reason}
+    def _choice(self, index: int, text: str, finish_reason: str | None, entries: list[TokenLogprob],
+                prompt_logprobs: list[dict[str, Any] | None] | None = None, first: bool = False) -> dict[str, Any]:
+        echoed = None
+        if first and self.echo is not None:
+            prompt = self.echo[index // self.n]
+            text = prompt.text + text
+            echoed = prompt.legacy_logprobs(prompt_logprobs)
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(index, entries, echoed),
+                  "finish_reason": finish_reason}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
+        return choice
 
     def opening(self, num_choices: int) -> list[dict[str, Any]]:
         return []
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any] | None:
-        if not (delta.text or delta.finish_reason or (self.with_logprobs and delta.logprobs)):
+        first = delta.index not in self.echoed
+        opens = first and (self.echo is not None or delta.prompt_logprobs is not None)  # its first chunk says more
+        if not (delta.text or delta.finish_reason or (self.with_logprobs and delta.logprobs) or opens):
             return None
-        choice = self._choice(delta.index, delta.text, delta.finish_reason, delta.logprobs)
+        self.echoed.add(delta.index)
+        choice = self._choice(delta.index, delta.text, delta.finish_reason, delta.logprobs, delta.prompt_logprobs,
+                              first)
         return self._body([choice], self.include_usage)
 
     def closing(self, usage: UsageTally) -> dict[str, Any]:
         return self._body([], True, usage.body())
 
     def whole(self, results: list[ChoiceResult], usage: UsageTally) -> dict[str, Any]:
-        choices = [self._choice(r.index, r.text, r.finish_reason, r.logprobs) for r in results]
+        choices = [self._choice(r.index, r.text, r.finish_reason, r.logprobs, r.prompt_logprobs, True)
+                   for r in results]
         return self._body(choices, True, usage.body())
 
 
@@ -219,7 +270,10 @@ class ChatFormat:
         if delta.tool_calls:
             content["tool_calls"] = [self._call_piece(delta.index, piece) for piece in delta.tool_calls]
         choice = self._delta_choice(delta.index, content, delta.finish_reason, delta.logprobs)
-        return self._body("chat.completion.chunk", [choice], self.include_usage)
+        body = self._body("chat.completion.chunk", [choice], self.include_usage)
+        if delta.prompt_logprobs is not None:
+            body["prompt_logprobs"] = delta.prompt_logprobs  # vLLM's place: the response's, one prompt
+        return body
 
     def _call_piece(self, choice: int, piece: ToolCallDelta) -> dict[str, Any]:
         """OpenAI's stream shape: a call's first piece carries index, id, type and name; later ones only index and
@@ -236,7 +290,10 @@ class ChatFormat:
     def whole(self, results: list[ChoiceResult], usage: UsageTally) -> dict[str, Any]:
         choices = [{"index": r.index, "message": self._message(r), "logprobs": self._logprobs(r.logprobs),
                     "finish_reason": r.finish_reason} for r in results]
-        return self._body("chat.completion", choices, True, usage.body())
+        body = self._body("chat.completion", choices, True, usage.body())
+        if results and results[0].prompt_logprobs is not None:
+            body["prompt_logprobs"] = results[0].prompt_logprobs  # vLLM's place: the response's, one prompt
+        return body
 
     @staticmethod
     def _message(result: ChoiceResult) -> dict[str, Any]:

@@ -9,7 +9,9 @@ preparation (proxy/api/openai_api.py, proxy/api/prepare.py), so one rule serves 
 - `tools`: flat function tools {"type": "function", "name", "description", "parameters", "strict"};
   `tool_choice`: none, auto, required or {"type": "function", "name"}; `parallel_tool_calls`.
 - `max_output_tokens`, `temperature`, `top_p`, `stream`; `text.format` (text, json_object, json_schema): the
-  constraint chat's `response_format` makes; `top_logprobs` with include ["message.output_text.logprobs"].
+  constraint chat's `response_format` makes, on a text answer (with tool_choice required or a named function the
+  answer is a call, and the format is checked and set aside); `top_logprobs` with include
+  ["message.output_text.logprobs"].
 - `reasoning` ({"effort", "summary"}) is accepted and checked, and changes nothing: no served template reads an
   effort (send a model's own switch, e.g. enable_thinking, through /v1/chat/completions' chat_template_kwargs), and a
   reasoning model's thinking (split by --reasoning-parser) always comes back whole, as a reasoning item's
@@ -22,6 +24,7 @@ truncation "auto", tool types other than function, non-text content parts, and a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import uuid
@@ -36,6 +39,7 @@ from proxy.api.request_body import decode_json
 from proxy.api.responses import ChoiceDelta
 from proxy.api.responses_events import ResponseEcho, ResponseOutput, sse_event
 from proxy.api.serving import ProxyState, fan_out, generate
+from proxy.api.tools import ToolChoice
 
 _FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
@@ -74,7 +78,13 @@ def prepare_response(state: ProxyState, body: bytes) -> PreparedResponse:
         raise bad_request("the request body must be a JSON object")
     chat_body, origins, echo = translate(raw)
     try:
-        return PreparedResponse(prepare_parsed_chat(state, parse_chat(chat_body, state.limits)), echo)
+        chat = parse_chat(chat_body, state.limits)
+        if chat.tools.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED):
+            # text.format holds a text answer, and a forced call leaves none: checked, then set aside (OpenAI's
+            # meaning; an agent forces its first call and keeps its output type for its last answer)
+            params = dataclasses.replace(chat.generation.params, structured_outputs=None)
+            chat = dataclasses.replace(chat, generation=dataclasses.replace(chat.generation, params=params))
+        return PreparedResponse(prepare_parsed_chat(state, chat), echo)
     except APIError as e:
         raise _renamed(e, origins) from None
 
@@ -181,8 +191,13 @@ _KIND_NAMES = {str: "a string", list: "a list", dict: "an object", bool: "a bool
 
 
 def _number_or(value: Any, default: float) -> float:
-    # checked by the chat parser; the echo only repeats a valid number
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else default
+    # checked by the chat parser, after this: the echo only repeats a valid number
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return default
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits: refused by the chat parser
+        return default
 
 
 # ---- input: items to chat messages ----

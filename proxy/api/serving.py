@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine.output_processor import OutputDelta, OutputProcessor
-from engine.types import PositionLogprobs, SamplingParams
+from engine.types import PositionLogprobs, PromptLogprobs, SamplingParams
 from proxy.api.auth import APIKeys
 from proxy.api.choice_parser import ChoiceParser
 from proxy.api.errors import APIError
@@ -182,10 +183,13 @@ async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival:
             if finish is not None:
                 recorder.finish(finish)
             text = "".join(d.text for d in deltas)
+            prompt = _prompt_logprobs(output, chunk.prompt_logprobs) if chunk.prompt_logprobs is not None else None
             if parser is None:
-                yield ChoiceDelta(sub.index, text, len(tokens), logprobs, finish, chunk.num_cached_tokens)
+                yield ChoiceDelta(sub.index, text, len(tokens), logprobs, finish, chunk.num_cached_tokens,
+                                  prompt_logprobs=prompt)
             else:
-                yield _parsed_delta(sub.index, parser, text, len(tokens), logprobs, finish, chunk.num_cached_tokens)
+                delta = _parsed_delta(sub.index, parser, text, len(tokens), logprobs, finish, chunk.num_cached_tokens)
+                yield dataclasses.replace(delta, prompt_logprobs=prompt)
             if finish is not None:
                 return  # after a stop string, closing the stream aborts the rest on the nodes
     except Exception as e:
@@ -197,6 +201,13 @@ async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival:
     finally:
         await stream.aclose()
         recorder.close()
+
+
+def _prompt_logprobs(output: OutputProcessor, positions: PromptLogprobs) -> list[dict[str, Any] | None]:
+    """vLLM's shape: None for the first position, then token id (as text) -> logprob, rank and decoded token."""
+    return [None if position is None else {
+        str(token_id): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": output.token_text(token_id)}
+        for token_id, lp in position.items()} for position in positions]
 
 
 def _parsed_delta(index: int, parser: ChoiceParser, text: str, num_tokens: int, logprobs: list[TokenLogprob],

@@ -4,7 +4,8 @@ Accepted, at most one constraint in all (two are a 400 naming both):
 - OpenAI's `response_format`: {"type": "text"} (none), {"type": "json_object"}, or {"type": "json_schema",
   "json_schema": {"name", "description"?, "schema", "strict"?}}; `strict: true` admits no property the schema
   does not name (as OpenAI's strict mode requires of a schema);
-- vLLM's `structured_outputs` {json | regex | choice | grammar | json_object, disable_any_whitespace,
+- vLLM's `structured_outputs` {json | regex | choice | grammar | json_object | structural_tag (xgrammar's: text
+  that is free until a trigger, then one of the structures; what tool_choice auto uses), disable_any_whitespace,
   disable_additional_properties}, which also carries those two options for a `response_format` constraint;
 - vLLM's older names, still sent by older clients: guided_json, guided_regex, guided_choice, guided_grammar
   (guided_decoding_backend is accepted when it names xgrammar or auto).
@@ -25,7 +26,7 @@ from engine.types import StructuredOutputsParams
 from proxy.api.errors import bad_request
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
-_CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _OPTION_KEYS = ("disable_any_whitespace", "disable_additional_properties")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _BACKENDS = ("auto", "xgrammar")
@@ -136,6 +137,11 @@ def _checked(field: str, key: str, value: Any) -> Any:
         raise bad_request(f"'{where}' must be a non-empty list of non-empty strings", field)
     if key == "json_object" and value is not True:
         raise bad_request(f"'{where}' must be true", field)
+    if key == "structural_tag":  # xgrammar's, as JSON text or the object itself; its shape is checked on the way
+        if isinstance(value, dict):
+            return json.dumps(value)
+        if not isinstance(value, str) or not value:
+            raise bad_request(f"'{where}' must be a structural tag (an object or its JSON text)", field)
     return value
 
 
@@ -187,10 +193,11 @@ def openapi_properties() -> dict[str, Any]:
         "response_format": response_format,
         "structured_outputs": nullable(
             "object", additionalProperties=False,
-            description="vLLM's structured output: exactly one of json, regex, choice, grammar (xgrammar's EBNF) or "
-                        "json_object, with its options.",
+            description="vLLM's structured output: exactly one of json, regex, choice, grammar (xgrammar's EBNF), "
+                        "json_object or structural_tag (xgrammar's), with its options.",
             properties={"json": json_schema, "regex": nullable("string"), "choice": choices,
-                        "grammar": nullable("string"), "json_object": flag, "disable_any_whitespace": flag,
+                        "grammar": nullable("string"), "json_object": flag,
+                        "structural_tag": nullable(["object", "string"]), "disable_any_whitespace": flag,
                         "disable_additional_properties": flag}),
         "guided_json": json_schema, "guided_regex": nullable("string"), "guided_choice": choices,
         "guided_grammar": nullable("string"),

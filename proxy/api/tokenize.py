@@ -61,7 +61,8 @@ def detokenize(state: ProxyState, body: bytes) -> dict[str, Any]:
     vocab = len(state.tokenizer)
     # 7.0 is an integer as JSON Schema has it; true is not
     if not isinstance(tokens, list) or not all(
-            not isinstance(t, bool) and isinstance(t, int | float) and float(t).is_integer() for t in tokens):
+            (isinstance(t, int) and not isinstance(t, bool)) or (isinstance(t, float) and t.is_integer())
+            for t in tokens):
         raise bad_request("'tokens' must be a list of token ids (integers)", "tokens")
     token_ids = [int(t) for t in tokens]
     outside = next((t for t in token_ids if not 0 <= t < vocab), None)

@@ -81,10 +81,6 @@ NO_TOOLS = ToolUse((), ToolChoice.NONE, None, True)
 
 def parse_tools(body: dict[str, Any]) -> ToolUse:
     """The request's tools and choice; a 400 naming the field for anything malformed."""
-    for legacy in ("functions", "function_call"):
-        if body.get(legacy) is not None:
-            raise bad_request(f"'{legacy}' (deprecated by OpenAI) is not supported; send 'tools' and 'tool_choice'",
-                              legacy, "unsupported_parameter")
     raw_tools = body.get("tools")
     if raw_tools is not None and not isinstance(raw_tools, list):
         raise bad_request("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")

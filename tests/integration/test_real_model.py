@@ -64,3 +64,32 @@ def test_the_sdk_chat_answer_to_the_capital_of_france_names_paris(url: str) -> N
         temperature=0)
     assert "Paris" in (answer.choices[0].message.content or "")
     assert answer.choices[0].finish_reason == "stop"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"]}}}
+
+
+def test_the_readmes_tool_loop_runs_on_smollm2_with_tool_choice_required(url: str) -> None:
+    """README.md's "Tool calling" example, step for step: SmolLM2's template cannot render tools (the proxy's
+    documented fallback describes them), yet `required` holds the answer to a call whose arguments validate."""
+    import json
+
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=60, temperature=0)
+    assert first.choices[0].finish_reason == "tool_calls", repr(first.choices[0].message.content)
+    (call,) = first.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])  # type: ignore[index]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18})}]
+    answer = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=40, temperature=0)
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content

@@ -6,6 +6,7 @@ the nodes hold to the tool's schema."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -17,7 +18,6 @@ from transformers import AutoTokenizer
 
 from tests.fixtures.tiny_models import TinyModelFactory
 from tests.integration.openai_cluster import CHAT, Cluster, running_cluster
-from tests.integration.processes import Process, start_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -26,6 +26,11 @@ PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "enum"
               "required": ["city"], "additionalProperties": False}
 TOOL: Any = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
              "parameters": PARAMETERS, "strict": True}
+# A text answer that ends on its own (status completed) whatever the model: the SDK's stream helper and the Agents
+# SDK take nothing else as a final answer. A JSON string of an enum: an object would leave room for whitespace, which
+# a random model writes until max_output_tokens.
+ANSWER = {"type": "string", "enum": ["yes", "no"]}
+FORMAT: Any = {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +40,6 @@ def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFacto
     with running_cluster(tiny_model("llama", max_position_embeddings=1024), tmp_path_factory.mktemp("responses-logs"),
                          with_guarded_proxy=False, node_args=["--num-kv-blocks", "512"]) as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="module")
-def auto_url(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A proxy of the same nodes that serves tool_choice auto (hermes calls), as an agent's later turns need."""
-    process: Process | None = None
-    try:
-        process, url = start_proxy(cluster.model, cluster.prefill_address, cluster.decode_address,
-                                   tmp_path_factory.mktemp("auto-proxy-logs"),
-                                   ["--block-size", "4", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-        yield url
-    finally:
-        if process is not None:
-            process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +63,14 @@ def test_text_input_answers_with_a_message_and_counts_the_templated_prompt(clust
 
 
 def test_a_required_tool_choice_is_a_function_call_whose_arguments_validate(cluster: Cluster) -> None:
+    # one call: a random model would go on adding parallel calls until max_output_tokens
     r = cluster.client().responses.create(model=cluster.model.name, input="Weather in Paris?", tools=[TOOL],
-                                          tool_choice="required", max_output_tokens=64, temperature=0)
-    calls = [item for item in r.output if item.type == "function_call"]
-    assert calls and r.status == "completed"
-    for call in calls:
-        assert call.name == "get_weather" and call.call_id.startswith("call_")
-        jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+                                          tool_choice="required", parallel_tool_calls=False, max_output_tokens=64,
+                                          temperature=0)
+    (call,) = r.output
+    assert r.status == "completed" and call.type == "function_call"
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
 
 
 def test_a_tool_loop_returns_the_calls_output_and_gets_a_text_answer(cluster: Cluster) -> None:
@@ -101,17 +93,19 @@ def test_a_tool_loop_returns_the_calls_output_and_gets_a_text_answer(cluster: Cl
 
 def test_a_stream_read_by_the_sdks_helper_accumulates_to_its_final_response(cluster: Cluster) -> None:
     client = cluster.client()
-    with client.responses.stream(model=cluster.model.name, input="Say something.", max_output_tokens=8,
-                                 temperature=0) as stream:
+    kwargs: dict[str, Any] = {"model": cluster.model.name, "input": "Yes or no?", "text": {"format": FORMAT},
+                              "max_output_tokens": 48, "temperature": 0}
+    with client.responses.stream(**kwargs) as stream:
         events = list(stream)
         final = stream.get_final_response()
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert text and text == final.output_text
-    whole = client.responses.create(model=cluster.model.name, input="Say something.", max_output_tokens=8,
-                                    temperature=0)
-    assert whole.output_text == text and whole.usage == final.usage
+    assert text == final.output_text
+    jsonschema.validate(json.loads(text), ANSWER)
+    whole = client.responses.create(**kwargs)
+    assert whole.output_text == text and whole.usage is not None and final.usage is not None
+    assert whole.usage.output_tokens == final.usage.output_tokens
     # a forced call streams its arguments
     with client.responses.stream(model=cluster.model.name, input="Weather?", tools=[TOOL], max_output_tokens=64,
                                  tool_choice={"type": "function", "name": "get_weather"}) as stream:
@@ -134,10 +128,21 @@ def test_what_a_stateless_server_cannot_do_is_refused_by_name(cluster: Cluster, 
     assert e.value.status_code == 400 and e.value.param == param
 
 
-def test_an_agent_calls_its_tool_then_answers(cluster: Cluster, auto_url: str) -> None:
-    """The OpenAI Agents SDK, two turns: a forced call (ModelSettings tool_choice required), then the SDK resets
-    tool_choice (Agent.reset_tool_choice: the next request leaves it out, i.e. auto) and the model answers in text."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+def test_an_agent_calls_its_tool_then_answers(cluster: Cluster) -> None:
+    """The OpenAI Agents SDK (its OpenAIResponsesModel), two turns: a forced call (ModelSettings tool_choice required),
+    then an answer in the agent's output type (text.format). The SDK's own reset (Agent.reset_tool_choice) would leave
+    tool_choice out of the second request, i.e. auto, where a random model calls again: the agent says "none" itself
+    once its tool ran."""
+    from agents import (
+        Agent,
+        AgentHooks,
+        AgentOutputSchemaBase,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
     cities: list[str] = []
@@ -148,11 +153,36 @@ def test_an_agent_calls_its_tool_then_answers(cluster: Cluster, auto_url: str) -
         cities.append(city)
         return "snow"
 
+    class Answer(AgentOutputSchemaBase):
+        """The agent's final answer: "yes" or "no" as JSON (ANSWER)."""
+
+        def is_plain_text(self) -> bool:
+            return False
+
+        def name(self) -> str:
+            return "answer"
+
+        def json_schema(self) -> dict[str, Any]:
+            return ANSWER
+
+        def is_strict_json_schema(self) -> bool:
+            return True
+
+        def validate_json(self, json_str: str) -> Any:
+            answer = json.loads(json_str)
+            jsonschema.validate(answer, ANSWER)
+            return answer
+
+    class AnswerAfterTheTool(AgentHooks[Any]):
+        async def on_tool_end(self, context: Any, agent: Agent[Any], tool: Any, result: object) -> None:
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
     async def run() -> Any:
-        client = openai.AsyncOpenAI(base_url=f"{auto_url}/v1", api_key="unused", max_retries=0, timeout=60)
-        model = OpenAIResponsesModel(model=cluster.model.name, openai_client=client)
-        agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather], model=model,
-                      model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0))
+        client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0)
+        agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
+                      model=OpenAIResponsesModel(model=cluster.model.name, openai_client=client), output_type=Answer(),
+                      model_settings=settings, reset_tool_choice=False, hooks=AnswerAfterTheTool())
         try:
             return await Runner.run(agent, "Weather in Oslo?", max_turns=2)
         finally:
@@ -161,5 +191,5 @@ def test_an_agent_calls_its_tool_then_answers(cluster: Cluster, auto_url: str) -
     result = asyncio.run(run())
     assert len(cities) == 1 and cities[0] in ("Paris", "Oslo")
     kinds = [item.type for item in result.new_items]
-    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
-    assert isinstance(result.final_output, str) and len(result.raw_responses) == 2
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
+    assert result.final_output in ("yes", "no") and len(result.raw_responses) == 2

@@ -54,8 +54,11 @@ def test_vllm_extras_and_float_integers_are_accepted() -> None:
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logit_bias": {"one": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "x", "echo": 1}, "echo"),
+    ({"prompt": "x", "suffix": "after"}, "suffix"),
+    ({"prompt": "x", "stream_options_typo": True}, "stream_options_typo"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     # found while writing proxy/api/openapi.py: a number of 400 digits (no float holds it) was a 500, and falsy
     # values of the wrong type (0, {}) slipped past the parameters we refuse

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine import prompt_logprobs as prompt_logprobs_module
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampler import SampledToken
@@ -93,6 +94,18 @@ def test_a_chunked_prefill_gives_the_logprobs_of_every_chunk(tiny_model: TinyMod
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model, prompts, 4)
 
 
+def test_long_chunks_take_their_logits_a_slice_of_rows_at_a_time(tiny_model: TinyModelFactory,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("llama")
+    llm = LLM(model=str(model), dtype="float32", block_size=4)
+    vocab = llm.engine.model_config.vocab_size
+    monkeypatch.setattr(prompt_logprobs_module, "_SLICE_BYTES", 3 * 4 * vocab)  # 3 rows of float32 logprobs a slice
+    assert [(s.start, s.stop) for s in prompt_logprobs_module.logits_slices(7, vocab)] == [(0, 3), (3, 6), (6, 7)]
+    prompt = random_prompts(vocab, (12,), seed=8)[0]
+    output = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert_match_oracle(output.prompt_logprobs, prompt, oracle_logprobs(model, prompt), 2)
+
+
 def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(tiny_model: TinyModelFactory,
                                                                 async_scheduling: bool) -> None:
     model = tiny_model("llama")
@@ -159,3 +172,21 @@ def test_prompt_logprobs_are_bounded_like_logprobs() -> None:
     check_limits(SamplingParams(prompt_logprobs=20), max_logprobs=20)
     with pytest.raises(ValueError, match=r"prompt_logprobs must be at most 20 \(this node's --max-logprobs\)"):
         check_limits(SamplingParams(prompt_logprobs=21), max_logprobs=20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_prompt_logprobs_equal_transformers_beside_graph_decodes(tiny_model: TinyModelFactory) -> None:
+    """On a GPU (CUDA graphs, asynchronous scheduling, host copies that do not block): a plain request decodes while
+    two others prefill in chunks with their prompt logprobs."""
+    model = tiny_model("llama")
+    llm = LLM(model=str(model), dtype="float32", block_size=16, max_num_batched_tokens=32, max_num_seqs=8)
+    assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (6, 70, 40), seed=7)
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=n) for n in (3, 0)]
+    outputs = llm.generate(prompts, [plain, *params])
+    for output, prompt, p in zip(outputs[1:], prompts[1:], params, strict=True):
+        assert p.prompt_logprobs is not None
+        assert_match_oracle(output.prompt_logprobs, prompt, oracle_logprobs(model, prompt), p.prompt_logprobs)
+    assert outputs[0].prompt_logprobs is None

@@ -107,12 +107,12 @@ def test_input_items_are_the_chat_they_stand_for(tokenizer_dir: Path, tmp_path: 
                                                               "annotations": []}]},
         {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Paris"}'},
         {"type": "function_call_output", "call_id": "call_a", "output": "sunny"}]}
-    chat = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Weather in Paris?"},
+    chat: Any = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": "Checking.", "tool_calls": [
                 {"id": "call_a", "type": "function", "function": {"name": "get_weather",
                                                                   "arguments": {"city": "Paris"}}}]},
             {"role": "tool", "tool_call_id": "call_a", "content": "sunny"}]
-    tools = [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
+    tools: Any = [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
     expected = tokenizer.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
     prepared = prepare_response(state, json.dumps(body).encode())
     assert prepared.chat.prompt_text == expected
@@ -140,7 +140,9 @@ def test_running_out_of_tokens_is_an_incomplete_response(tokenizer: Any) -> None
     state = make_state(tokenizer, "Sunny", FinishReason.LENGTH)
     parsed = Response.model_validate(post(state, {"input": "Weather?", "max_output_tokens": 2}).json())
     assert parsed.status == "incomplete" and parsed.incomplete_details is not None
-    assert parsed.incomplete_details.reason == "max_output_tokens" and parsed.output[0].status == "incomplete"
+    (message,) = parsed.output
+    assert parsed.incomplete_details.reason == "max_output_tokens"
+    assert message.type == "message" and message.status == "incomplete"
     events = stream_events(state, {"input": "Weather?", "max_output_tokens": 2})
     assert events[-1]["type"] == "response.incomplete"
     state.close()
@@ -180,6 +182,22 @@ def test_a_named_function_is_a_function_call_item_streamed_as_argument_deltas(to
     state.close()
 
 
+def test_a_reasoning_parsers_thinking_is_a_reasoning_item_before_the_message(tokenizer: Any) -> None:
+    from settings.chat import ChatSettings
+
+    state = make_state(tokenizer, "<think>Cold front.</think>Snow.")
+    state.chat = ChatSettings(reasoning_parser="qwen3")
+    events = stream_events(state, {"input": "Weather?", "reasoning": {"effort": "high", "summary": "auto"}})
+    final = Response.model_validate(events[-1]["response"])
+    reasoning, message = final.output
+    assert reasoning.type == "reasoning" and reasoning.summary == [] and reasoning.content is not None
+    assert [c.text for c in reasoning.content] == ["Cold front."] and final.output_text == "Snow."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Cold front."
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1]
+    assert Response.model_validate(post(state, {"input": "Weather?"}).json()).output[0].type == "reasoning"
+    state.close()
+
+
 def test_a_failure_after_the_first_token_ends_the_stream_with_response_failed(tokenizer: Any) -> None:
     state = make_state(tokenizer, "Sunny all day.", pipeline=FailingPipeline)
     events = stream_events(state, {"input": "Weather?"})
@@ -209,6 +227,7 @@ def test_a_failure_after_the_first_token_ends_the_stream_with_response_failed(to
     ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ({"input": "x", "max_output_tokens": "many"}, "max_output_tokens"),
     ({"input": "x", "temperature": -1}, "temperature"),
+    ({"input": "x", "top_p": 10**400}, "top_p"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),

@@ -165,3 +165,14 @@ def test_a_request_handed_from_a_prefill_engine_follows_the_structural_tag_as_a_
     tokens = handed_off_tokens(prefill, llm.engine, "handed", prompt, params)
     assert tokens == colocated and tokens[0] == tokenizer.encode(TRIGGER)[0]  # P's first token is the trigger
     assert_calls_are_valid(tokenizer.decode(tokens))
+
+
+def test_a_length_bounded_string_holds_no_raw_quote_or_backslash(compiler: StructuredOutputCompiler) -> None:
+    """A bounded string's characters go into the JSON text as they are: a raw '"' would end the string early and let
+    the model write properties the schema forbids (SmolLM2 did: `{"city": "Paris"}, "description": ...}`)."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 40}}}
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert accepts(compiler, spec, '{"city": "Paris, France"}')
+    for smuggled in ('{"city": "Paris"}, "x": "y"}', '{"city": "a\\\\b"}'):
+        assert not accepts(compiler, spec, smuggled), smuggled

@@ -25,7 +25,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 # a template that renders tools itself, as Qwen's and Llama 3.1's do
 TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
                   "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                  "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+                  "'<|im_end|>\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,7 @@ def test_detokenize_gives_the_tokenizers_text_of_the_ids(state: ProxyState, toke
     ("/detokenize", {"tokens": [1, 1000]}, "tokens"),  # the tiny vocabulary has 1000 tokens
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/detokenize", {"tokens": [1, True]}, "tokens"),
+    ("/detokenize", {"tokens": [10**400, 1e300]}, "tokens"),  # no float holds the first
     ("/detokenize", {"tokens": "1 2"}, "tokens"),
     ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, "skip_special_tokens"),
 ])
