@@ -21,6 +21,7 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.fixtures.tiny_models import TinyModelFactory, build_tiny_model, train_tokenizer  # noqa: E402
+from tests.fixtures.tool_model import tool_model  # noqa: E402, F401  (a session fixture: a model that calls tools)
 
 # Tiny models gain nothing from many threads, and parallel test workers would oversubscribe the CPU: one thread
 # each when pytest-xdist runs the suite on several workers (`make unit`).

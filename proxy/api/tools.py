@@ -40,6 +40,7 @@ class Tool:
     name: str
     description: str | None
     parameters: dict[str, Any]  # a JSON schema of the arguments object
+    strict: bool = False  # OpenAI's strict mode: no property the schema does not name
 
     def as_template_input(self) -> dict[str, Any]:
         """As transformers' apply_chat_template(tools=...) takes it (OpenAI's shape)."""
@@ -123,7 +124,7 @@ def _tool(value: Any, index: int) -> Tool:
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.function.strict must be a boolean", "tools")
-    return Tool(name, description, parameters)
+    return Tool(name, description, parameters, bool(strict))
 
 
 def _tool_choice(value: Any, has_tools: bool) -> tuple[ToolChoice, str | None]:
@@ -171,13 +172,17 @@ def tool_constraint(use: ToolUse, settings: ChatSettings, asked: StructuredOutpu
             raise bad_request(f"tool_choice '{use.choice.value}' makes the answer a tool call: a response_format or "
                               "structured_outputs constraint cannot apply to it", "tool_choice")
         # compact JSON (", " and ": " only): arguments are for a program, and a weak model given free
-        # whitespace can fill it until max_tokens
-        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        # whitespace can fill it until max_tokens. Strict as response_format's strict is: for every tool the
+        # answer may call (one strict tool makes them all closed, the one rule xgrammar has per grammar)
+        callable_tools = [use.tool(use.named)] if use.named is not None else list(use.tools)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                       disable_additional_properties=any(t.strict for t in callable_tools))
     tag = auto_structural_tag(settings, use)
     if tag is None:
         return asked
     if asked is None:
-        return StructuredOutputsParams(structural_tag=tag)
+        return StructuredOutputsParams(structural_tag=tag, disable_any_whitespace=True,
+                                       disable_additional_properties=any(t.strict for t in use.tools))
     if asked.json is None and not asked.json_object:
         raise bad_request("with tool_choice auto, only a JSON response_format combines with the tools' calls",
                           "response_format")

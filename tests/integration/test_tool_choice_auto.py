@@ -29,7 +29,6 @@ from tests.fixtures.tool_model import (
     WEATHER_RESULT,
     WEATHER_TOOL,
     Conversation,
-    tool_model,  # noqa: F401  (the session fixture, until tests/conftest.py registers it)
 )
 from tests.integration.processes import Process, launch_node, launch_proxy, wait_for_proxy
 
@@ -59,7 +58,7 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:  # noqa: F811
+def servers(tool_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     log_dir = tmp_path_factory.mktemp("tool-choice-auto-logs")
     processes: list[Process] = []
     try:

@@ -164,6 +164,21 @@ def test_serve_hands_the_nodes_block_size_and_hash_seed_to_the_proxy() -> None:
     assert (proxy.block_size, proxy.hash_seed, proxy.routing) == (8, "s1", "round_robin")
 
 
+def test_serve_hands_the_tool_call_and_reasoning_parsers_to_the_proxy_under_vllms_flag_names() -> None:
+    from cluster.serve import proxy_command
+    from proxy.__main__ import parse_args
+    from settings.chat import ChatSettings
+
+    config = serve_config("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    _, proxy = parse_args(proxy_command(config, Path("/m"), "tiny", "redis://127.0.0.1:1/0")[3:])
+    assert proxy.chat == config.chat == ChatSettings(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                                     reasoning_parser="qwen3")
+    _, plain = parse_args(proxy_command(serve_config(), Path("/m"), "tiny", "redis://127.0.0.1:1/0")[3:])
+    assert plain.chat == ChatSettings()
+    with pytest.raises(ConfigError, match="needs --tool-call-parser"):  # as vLLM refuses it
+        serve_config("--enable-auto-tool-choice")
+
+
 def test_the_drain_timeout_of_the_pool_and_of_its_nodes_is_one_setting() -> None:
     from cluster.pools import PoolManager
 

@@ -17,8 +17,8 @@ import proxy.api.auth
 from proxy.__main__ import parse_args
 from proxy.api.app import create_app
 from proxy.api.auth import APIKeys, load_api_keys, read_key_file
-from proxy.api.limits import RequestLimits
 from proxy.api.errors import APIError
+from proxy.api.limits import RequestLimits
 from proxy.api.openai_api import parse_chat, parse_completion
 from proxy.api.serving import ProxyState
 from tests.unit.test_openai_api import ScriptedPipeline
