@@ -10,7 +10,6 @@ that is open lets the model invent keys until max_tokens."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import jsonschema
@@ -21,8 +20,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from tests.fixtures.tiny_models import TinyModelFactory
-from tests.integration.openai_cluster import Cluster, running_cluster
+from tests.integration.openai_cluster import Cluster
 
 pytestmark = pytest.mark.integration
 
@@ -64,11 +62,8 @@ def forecast(city: Literal["Paris", "Rome"]) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    model = tiny_model("llama", max_position_embeddings=1024)
-    with running_cluster(model, tmp_path_factory.mktemp("client-logs"), with_guarded_proxy=False,
-                         node_args=["--num-kv-blocks", "512"]) as cluster:
-        yield cluster
+def cluster(agentic_cluster: Cluster) -> Cluster:
+    return agentic_cluster  # tests/integration/conftest.py
 
 
 def chat_model(cluster: Cluster, max_tokens: int = MAX_TOKENS) -> ChatOpenAI:

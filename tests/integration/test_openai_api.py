@@ -163,6 +163,74 @@ def test_a_colocated_request_reports_the_decode_nodes_prefix_hit(cluster: Cluste
     assert second.choices[0].logprobs is not None and len(second.choices[0].logprobs.tokens or []) == 3
 
 
+def oracle_prompt_logprobs(model: Any, prompt: list[int]) -> list[dict[int, float]]:
+    """transformers' log-softmax at each prompt position after the first: position i's row is what token i's
+    logprob is read from (the logits of position i - 1)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)
+    return [dict(enumerate(rows[i - 1].tolist())) for i in range(1, len(prompt))]
+
+
+def test_echo_and_prompt_logprobs_are_the_prompts_under_transformers_in_both_routing_modes(cluster: Cluster) -> None:
+    from tests.fixtures.tiny_models import _load_oracle
+
+    oracle = _load_oracle(str(cluster.model.resolve()))
+    prompt = list(range(200, 212))
+    expected = oracle_prompt_logprobs(oracle, prompt)
+    for mode, client in clients(cluster).items():
+        r = client.completions.create(model=cluster.model.name, prompt=prompt, max_tokens=2, temperature=0,
+                                      echo=True, logprobs=2, extra_body={"ignore_eos": True})
+        choice = r.choices[0]
+        prompt_text = AutoTokenizer.from_pretrained(str(cluster.model)).decode(prompt)
+        assert choice.text.startswith(prompt_text), mode
+        logprobs = choice.logprobs
+        assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.tokens is not None
+        assert len(logprobs.tokens) == len(prompt) + 2 and "".join(logprobs.tokens) == choice.text
+        assert logprobs.token_logprobs[0] is None  # the first prompt token has nothing before it
+        for i, token_id in enumerate(prompt[1:], start=1):
+            assert abs(logprobs.token_logprobs[i] - expected[i - 1][token_id]) < 1e-3, (mode, i)
+        # vLLM's prompt_logprobs: None, then token id -> logprob, rank, decoded token
+        raw = httpx.post(f"{client.base_url}completions", headers={"Authorization": f"Bearer {client.api_key}"},
+                         timeout=60, json={"model": cluster.model.name, "prompt": prompt, "max_tokens": 1,
+                                           "prompt_logprobs": 1}).json()
+        positions = raw["choices"][0]["prompt_logprobs"]
+        assert positions[0] is None and len(positions) == len(prompt)
+        for i, position in enumerate(positions[1:], start=1):
+            best = max(expected[i - 1], key=expected[i - 1].__getitem__)
+            assert str(prompt[i]) in position and str(best) in position, (mode, i)
+            assert abs(position[str(prompt[i])]["logprob"] - expected[i - 1][prompt[i]]) < 1e-3
+            assert position[str(best)]["rank"] == 1
+
+
+def test_logit_bias_makes_a_token_win_or_lose_in_both_routing_modes(cluster: Cluster) -> None:
+    from tests.fixtures.tiny_models import hf_greedy
+
+    prompt = list(range(300, 310))
+    (plain,) = hf_greedy(cluster.model, [prompt], 1)
+    for mode, client in clients(cluster).items():
+        forced = client.completions.create(model=cluster.model.name, prompt=prompt, max_tokens=3, temperature=0,
+                                           logit_bias={"7": 100}, logprobs=0, extra_body={"ignore_eos": True})
+        tokenizer = AutoTokenizer.from_pretrained(str(cluster.model))
+        assert forced.choices[0].text == tokenizer.decode([7, 7, 7]), mode
+        banned = client.completions.create(model=cluster.model.name, prompt=prompt, max_tokens=1, temperature=0,
+                                           logit_bias={str(plain[0]): -100}, extra_body={"ignore_eos": True})
+        assert banned.choices[0].text != tokenizer.decode(plain), mode
+    with pytest.raises(openai.BadRequestError):  # beyond the vocabulary: the node's 400, named
+        cluster.client().completions.create(model=cluster.model.name, prompt=prompt, max_tokens=1,
+                                            logit_bias={"999999": 5})
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(cluster: Cluster) -> None:
+    chunks = list(cluster.client().completions.create(
+        model=cluster.model.name, prompt="The license", max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert len(counts) == len(chunks) and counts == sorted(counts) and counts[-1] == 4
+
+
 # ---- structured output, in both routing modes: the open proxy disaggregates every request (P samples the first
 # token within the grammar, D's grammar is first advanced by it); the guarded one runs short prompts on D alone ----
 

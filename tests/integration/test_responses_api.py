@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import jsonschema
@@ -16,8 +15,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.fixtures.tiny_models import TinyModelFactory
-from tests.integration.openai_cluster import CHAT, Cluster, running_cluster
+from tests.integration.openai_cluster import CHAT, Cluster
 
 pytestmark = pytest.mark.integration
 
@@ -34,12 +32,8 @@ FORMAT: Any = {"type": "json_schema", "name": "answer", "schema": ANSWER, "stric
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    # a context (and KV cache) for the tools: the tiny template cannot render them, so the proxy describes them in a
-    # long system message
-    with running_cluster(tiny_model("llama", max_position_embeddings=1024), tmp_path_factory.mktemp("responses-logs"),
-                         with_guarded_proxy=False, node_args=["--num-kv-blocks", "512"]) as cluster:
-        yield cluster
+def cluster(agentic_cluster: Cluster) -> Cluster:
+    return agentic_cluster  # tests/integration/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ the documented fallback: the tools in a system message."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -18,8 +17,7 @@ from engine import LLM, SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.types import StructuredOutputsParams
 from proxy.api.chat_template import FALLBACK_INSTRUCTIONS
-from tests.fixtures.tiny_models import TinyModelFactory
-from tests.integration.openai_cluster import API_KEY, Cluster, running_cluster
+from tests.integration.openai_cluster import API_KEY, Cluster
 
 pytestmark = pytest.mark.integration
 
@@ -40,11 +38,8 @@ MODES = ("disaggregated", "colocated")
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    # a context for the fallback's tool descriptions (the tiny tokenizer spends many tokens on them)
-    model = tiny_model("llama", max_position_embeddings=1024)
-    with running_cluster(model, tmp_path_factory.mktemp("tool-logs"), node_args=["--num-kv-blocks", "512"]) as cluster:
-        yield cluster
+def cluster(agentic_cluster: Cluster) -> Cluster:
+    return agentic_cluster  # tests/integration/conftest.py
 
 
 def clients(cluster: Cluster) -> dict[str, openai.OpenAI]:
