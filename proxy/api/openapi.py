@@ -20,6 +20,7 @@ from proxy.api.fields import Endpoint
 from proxy.api.limits import RequestLimits
 from proxy.api.openai_api import integer_bounds
 from proxy.api.openapi_chat import ANSWER_DELTA, ANSWER_MESSAGE, CHAT_MESSAGE, chat_tool_properties, table_properties
+from proxy.api.openapi_extra import responses_answer, responses_request, responses_schemas, tokenizer_schemas
 from proxy.api.structured_outputs import openapi_properties
 
 INT32_MAX = integer_bounds(32)[1]
@@ -207,8 +208,8 @@ _USAGE: Schema = {
 _LEGACY_LOGPROBS: Schema = {
     "type": ["object", "null"], "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
     "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
-                   "token_logprobs": {"type": "array", "items": {"type": "number"}},
-                   "top_logprobs": {"type": "array", "items": {"type": "object",
+                   "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},  # null: echo's first
+                   "top_logprobs": {"type": "array", "items": {"type": ["object", "null"],
                                                                "additionalProperties": {"type": "number"}}},
                    "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
 }
@@ -312,6 +313,12 @@ def _auth_responses(api: ServedAPI) -> dict[str, Schema]:
     return {"401": _error("A missing or wrong API key (code invalid_api_key).")} if api.api_key_required else {}
 
 
+def _tokenizer_responses(api: ServedAPI, answer: str, description: str) -> dict[str, Schema]:
+    errors = _generation_responses(api, answer, answer)  # less what a node or the capacity answers
+    return {"200": _json(_ref(answer), description),
+            **{status: errors[status] for status in ("400", "401", "404", "413", "500") if status in errors}}
+
+
 def _operation(api: ServedAPI, summary: str, responses: dict[str, Schema], guarded: bool,
                body: str | None = None) -> Schema:
     operation: Schema = {"summary": summary, "operationId": summary.lower().replace(" ", "_"),
@@ -326,12 +333,14 @@ def _operation(api: ServedAPI, summary: str, responses: dict[str, Schema], guard
 def openapi_schema(api: ServedAPI) -> Schema:
     """The OpenAPI 3.1 document of a proxy that serves `api`."""
     models = _json(_ref("ModelList"), "The served model.")
+    sampling = _sampling_properties(api)
     document: Schema = {
         "openapi": "3.1.0",
         "info": {"title": "Tandem proxy", "version": "1",
-                 "description": "OpenAI-compatible completions and chat completions over disaggregated prefill "
-                                "and decode nodes. An unknown request field is refused (400 unknown_parameter), "
-                                "and so is a parameter that cannot be honoured (400 unsupported_parameter)."},
+                 "description": "OpenAI-compatible completions, chat completions and responses (stateless) over "
+                                "disaggregated prefill and decode nodes, and vLLM's /tokenize and /detokenize. An "
+                                "unknown request field is refused (400), and so is a parameter that cannot be "
+                                "honoured (400 unsupported_parameter)."},
         "paths": {
             "/v1/completions": {"post": _operation(
                 api, "Create completion", _generation_responses(api, "CompletionResponse", "CompletionResponse"),
@@ -340,6 +349,14 @@ def openapi_schema(api: ServedAPI) -> Schema:
                 api, "Create chat completion",
                 _generation_responses(api, "ChatCompletionResponse", "ChatCompletionChunk"), True,
                 "ChatCompletionRequest")},
+            "/v1/responses": {"post": _operation(
+                api, "Create response", {**_generation_responses(api, "Response", "Response"),
+                                         "200": responses_answer()}, True, "ResponseRequest")},
+            "/tokenize": {"post": _operation(api, "Tokenize", _tokenizer_responses(
+                api, "TokenizeResponse", "The token ids of the prompt, or of the chat as templated."), True,
+                "TokenizeRequest")},
+            "/detokenize": {"post": _operation(api, "Detokenize", _tokenizer_responses(
+                api, "DetokenizeResponse", "The text of the token ids."), True, "DetokenizeRequest")},
             "/v1/models": {"get": _operation(api, "List models", {"200": models, **_auth_responses(api)}, True)},
             "/v1/models/{model}": {"get": {
                 **_operation(api, "Retrieve model", {
@@ -372,6 +389,9 @@ def openapi_schema(api: ServedAPI) -> Schema:
                                            "properties": {"object": {"type": "string", "const": "list"},
                                                           "data": {"type": "array", "items": _ref("Model")}}},
             "Health": _HEALTH, "Probe": _PROBE,
+            "ResponseRequest": responses_request(api, {**{k: sampling[k] for k in ("model", "temperature", "top_p")},
+                                                       "max_output_tokens": _max_tokens(api, None)}),
+            **responses_schemas(), **tokenizer_schemas(api, sampling["model"]),
         }},
     }
     if api.api_key_required:

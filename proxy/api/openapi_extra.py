@@ -111,7 +111,7 @@ _INPUT_ITEM: Schema = {"anyOf": [
      "type": "object", "required": ["type", "call_id", "name", "arguments"], "additionalProperties": False,
      "properties": {"type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
                     "arguments": {"type": "string", "contentMediaType": "application/json",
-                                  "contentSchema": {"type": "object"},
+                                  "contentSchema": {"type": "object"}, "pattern": r"^(\s*\{[\s\S]*\}\s*)?$",
                                   "description": "The JSON text of an object, or empty (400 otherwise)."},
                     "id": _NOT_READ, "status": _NOT_READ}},
     {"title": "A function call's output (a tool message)", "type": "object",
@@ -243,11 +243,11 @@ def _response_event(kind: str, *statuses: str) -> Schema:
 
 def responses_schemas() -> dict[str, Schema]:
     """Response, its parts, and ResponseStreamEvent (one event of a stream)."""
-    string = {"type": "string"}
-    index = {"type": "integer", "minimum": 0}
-    where = {"item_id": string, "output_index": index}
-    in_part = {**where, "content_index": {"const": 0}}  # a message's or a reasoning item's one content part
-    text_delta = {**in_part, "delta": string, "logprobs": _TOKEN_LOGPROBS}
+    string: Schema = {"type": "string"}
+    index: Schema = {"type": "integer", "minimum": 0}
+    where: dict[str, Schema] = {"item_id": string, "output_index": index}
+    in_part: dict[str, Schema] = {**where, "content_index": {"const": 0}}  # a message's or a reasoning item's one content part
+    logprobs = {"logprobs": _TOKEN_LOGPROBS}  # of the text's tokens: empty unless include asks for them
     return {
         "Response": {
             "type": "object",
@@ -267,7 +267,8 @@ def responses_schemas() -> dict[str, Schema]:
                     "properties": {"code": {"enum": ["rate_limit_exceeded", "invalid_prompt", "server_error"]},
                                    "message": string}}]},
                 "incomplete_details": {"anyOf": [{"type": "null"}, {
-                    "type": "object", "required": ["reason"], "properties": {"reason": {"const": "max_output_tokens"}}}]},
+                    "type": "object", "required": ["reason"],
+                    "properties": {"reason": {"const": "max_output_tokens"}}}]},
                 "model": string, "output": {"type": "array", "items": _ref("ResponseOutputItem")},
                 "usage": {"anyOf": [{"type": "null"}, _ref("ResponseUsage")]},
                 "instructions": {"type": ["string", "null"]},
@@ -315,10 +316,10 @@ def responses_schemas() -> dict[str, Schema]:
             _response_event("response.created", "in_progress"), _response_event("response.in_progress", "in_progress"),
             _event("response.output_item.added", output_index=index, item=_ref("ResponseOutputItem")),
             _event("response.content_part.added", **in_part, part={"anyOf": [_OUTPUT_TEXT, _REASONING_TEXT]}),
-            _event("response.output_text.delta", **text_delta),
+            _event("response.output_text.delta", **in_part, delta=string, **logprobs),
             _event("response.reasoning_text.delta", **in_part, delta=string),
             _event("response.function_call_arguments.delta", **where, delta=string),
-            _event("response.output_text.done", **{**text_delta, "text": string}),
+            _event("response.output_text.done", **in_part, text=string, **logprobs),
             _event("response.reasoning_text.done", **in_part, text=string),
             _event("response.function_call_arguments.done", **where, arguments=string),
             _event("response.content_part.done", **in_part, part={"anyOf": [_OUTPUT_TEXT, _REASONING_TEXT]}),

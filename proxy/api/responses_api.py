@@ -60,9 +60,10 @@ _TOOL_KEYS = ("type", "name", "description", "parameters", "strict")
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _SUMMARIES = ("auto", "concise", "detailed")
 # chat's names in its errors -> the Responses request's
-_RENAMED = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
-            ("response_format", "text.format"), ("].function.", "]."))
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
+_RENAMED = (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+            ("response_format.json_schema", "text.format"), ("response_format", "text.format"), ("].function.", "]."))
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+           "response_format": "text"}
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def _messages(value: Any, instructions: str | None) -> tuple[list[dict[str, Any]
         kind = item.get("type", "message")
         if kind == "reasoning":
             continue  # an earlier turn's thinking: not rendered, as a chat drops it
-        if kind not in _ITEM_KEYS:
+        if not isinstance(kind, str) or kind not in _ITEM_KEYS:  # a list or an object as type: no dict key
             why = " (nothing is stored: send the item itself)" if kind == "item_reference" else ""
             raise bad_request(f"{where}: items of type {str(kind)[:40]!r} are not supported{why}; message, "
                               "function_call, function_call_output and reasoning items are", "input")

@@ -1,11 +1,12 @@
-"""The proxy's OpenAPI document (proxy/api/openapi.py) against the proxy itself: valid JSON Schema, every route
-described, its examples served, and every documented bound the one the validators enforce (the bound accepted,
-one step beyond it refused with a 400 that names the field). Requests go through the real app; a scripted
-pipeline stands in for the nodes."""
+"""The proxy's OpenAPI document (proxy/api/openapi.py, openapi_extra.py) against the proxy itself: valid JSON Schema,
+every route described, its examples served, every documented bound the one the validators enforce (the bound
+accepted, one step beyond it refused with a 400 that names the field), and a Responses stream's events as documented.
+Requests go through the real app; a scripted pipeline stands in for the nodes."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,18 +19,27 @@ from starlette.routing import Route
 
 from proxy.api.app import create_app
 from proxy.api.auth import APIKeys
+from proxy.api.openapi_extra import LOGPROBS_INCLUDE
 from proxy.api.serving import ProxyState
 from tests.unit.test_openai_api import ScriptedPipeline
 
 MAX_MODEL_LEN = 256
-ENDPOINTS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
+# each POST path: its request's schema and its answer's
+ENDPOINTS = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
+             "/v1/responses": "ResponseRequest", "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
+ANSWERS = {"/v1/completions": "CompletionResponse", "/v1/chat/completions": "ChatCompletionResponse",
+           "/v1/responses": "Response", "/tokenize": "TokenizeResponse", "/detokenize": "DetokenizeResponse"}
 # a body each probe starts from: one prompt token, so that max_tokens up to max_model_len - 1 fits
 BASE_BODIES: dict[str, dict[str, Any]] = {"/v1/completions": {"prompt": [1], "max_tokens": 2},
-                                          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}
+                                          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+                                          "/v1/responses": {"input": "hi", "max_output_tokens": 2},
+                                          "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1]}}
 # fields whose refusal beyond a bound names another field (the context check names the prompt) or needs one
 ALSO_BLAMED = {"max_tokens": {"prompt", "messages"}, "max_completion_tokens": {"prompt", "messages", "max_tokens"},
-               "best_of": {"n"}}
+               "max_output_tokens": {"input"}, "best_of": {"n"}}
+# the bounds of these fields are probed with another that they need
 COMPANIONS = {"best_of": lambda v: {"n": v}, "top_logprobs": lambda v: {"logprobs": True}}
+RESPONSES_COMPANIONS = {"top_logprobs": lambda v: {"include": [LOGPROBS_INCLUDE]}}
 # a completion's max_tokens defaults to 16 and min_tokens must not pass it (cross-field): probed on chat, which
 # has no default max_tokens
 NOT_PROBED = {("/v1/completions", "min_tokens")}
@@ -83,20 +93,22 @@ def test_the_document_describes_every_route_with_valid_json_schemas(state: Proxy
 def test_the_examples_are_valid_and_served_with_responses_as_documented(state: ProxyState) -> None:
     doc = document(state)
     schemas = doc["components"]["schemas"]
-    requests = []
+    requests: list[tuple[str, str, Any]] = []
     for path, component in ENDPOINTS.items():
         example = schemas[component]["example"]
         validator(doc, component).validate(example)
         requests.append(("POST", path, example))
     requests += [("GET", "/v1/models", None), ("GET", "/v1/models/m", None), ("GET", "/v1/models/other", None),
-                 ("POST", "/v1/completions", {"prompt": "x", "n": 0})]
-    completion, chat, models, model, unknown_model, bad = served(state, requests)
-    for response, component in [(completion, "CompletionResponse"), (chat, "ChatCompletionResponse"),
-                                (models, "ModelList"), (model, "Model"), (unknown_model, "ErrorResponse"),
-                                (bad, "ErrorResponse")]:
+                 ("POST", "/v1/completions", {"prompt": "x", "n": 0}), ("POST", "/tokenize", {"prompt": 1})]
+    responses = served(state, requests)
+    answers = [*ANSWERS.values(), "ModelList", "Model", "ErrorResponse", "ErrorResponse", "ErrorResponse"]
+    for response, component in zip(responses, answers, strict=True):
         assert str(response.status_code) in _documented_statuses(doc, response), response.text
         validator(doc, component).validate(response.json())
+    completion, _, answer, tokens, text, *_, unknown_model, _, _ = responses
     assert completion.json()["choices"][0]["logprobs"] is not None and unknown_model.status_code == 404
+    assert answer.json()["output"][0]["content"][0]["logprobs"], answer.text  # its include asks for them
+    assert tokens.json()["token_strs"] is not None and text.status_code == 200
 
 
 def _documented_statuses(doc: dict[str, Any], response: httpx.Response) -> set[str]:
@@ -123,7 +135,7 @@ def _probes(schema: dict[str, Any]) -> Iterator[tuple[Any, bool]]:
 
 
 def _numeric_fields(doc: dict[str, Any], component: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    for name, schema in doc["components"]["schemas"][component]["properties"].items():
+    for name, schema in doc["components"]["schemas"][component].get("properties", {}).items():
         if isinstance(schema.get("type"), list) and {"integer", "number"} & set(schema["type"]):
             yield name, schema
 
@@ -132,17 +144,21 @@ def test_every_documented_bound_is_the_one_the_proxy_enforces(state: ProxyState)
     doc = document(state)
     cases = []
     for path, component in ENDPOINTS.items():
+        companions = RESPONSES_COMPANIONS if path == "/v1/responses" else COMPANIONS
         for name, schema in _numeric_fields(doc, component):
             if (path, name) in NOT_PROBED:
                 continue
             for value, accepted in _probes(schema):
-                body = {**BASE_BODIES[path], name: value, **COMPANIONS.get(name, lambda v: {})(value)}
+                body = {**BASE_BODIES[path], name: value, **companions.get(name, lambda v: {})(value)}
                 cases.append((path, name, value, accepted, body))
     assert {name for _, name, *_ in cases} >= {"n", "temperature", "top_p", "top_k", "seed", "logprobs",
-                                                "top_logprobs", "max_tokens", "max_completion_tokens", "min_tokens"}
+                                                "top_logprobs", "max_tokens", "max_completion_tokens", "min_tokens",
+                                                "max_output_tokens"}
+    assert {path for path, *_ in cases} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
     responses = served(state, [("POST", path, body) for path, _, _, _, body in cases])
     for (path, name, value, accepted, _), response in zip(cases, responses, strict=True):
-        if accepted and name in ("max_tokens", "max_completion_tokens") and path == "/v1/chat/completions":
+        if accepted and name in ("max_tokens", "max_completion_tokens", "max_output_tokens") and path != \
+                "/v1/completions":
             # the chat template's tokens come on top: the bound fits only the completions' one-token prompt
             assert response.status_code == 200 or response.json()["error"]["code"] == "context_length_exceeded"
         elif accepted:
@@ -172,11 +188,22 @@ def test_token_id_bounds_are_the_vocabulary_and_the_wire(state: ProxyState) -> N
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
 
 
+def test_detokenize_takes_the_vocabularys_ids_and_tokenize_answers_them(state: ProxyState) -> None:
+    schemas = document(state)["components"]["schemas"]
+    token_id = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert token_id == schemas["TokenizeResponse"]["properties"]["tokens"]["items"]
+    assert (token_id["minimum"], token_id["maximum"]) == (0, len(state.tokenizer) - 1)
+    ok, beyond, negative = served(state, [("POST", "/detokenize", {"tokens": [token_id[bound]]})
+                                          for bound in ("maximum", "minimum")] +
+                                  [("POST", "/detokenize", {"tokens": [token_id["maximum"] + 1]}),
+                                   ("POST", "/detokenize", {"tokens": [token_id["minimum"] - 1]})])[1:]
+    assert ok.status_code == 200, ok.text
+    for bad in (beyond, negative):
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens", bad.text
+
+
 def test_what_the_schema_refuses_the_proxy_refuses_and_what_it_allows_is_served(state: ProxyState) -> None:
     """Enums, consts, empty-only parameters and the cross-field rules the schema states: both sides of each."""
-    doc = document(state)
-    chat_validator = validator(doc, "ChatCompletionRequest")
-    completion_validator = validator(doc, "CompletionRequest")
     chat = BASE_BODIES["/v1/chat/completions"]
     completion = BASE_BODIES["/v1/completions"]
     cases: list[tuple[str, dict[str, Any]]] = [
@@ -207,10 +234,75 @@ def test_what_the_schema_refuses_the_proxy_refuses_and_what_it_allows_is_served(
         ("/v1/completions", {**completion, "prompt": ["a", ""]}),
         ("/v1/completions", {**completion, "prompt": [[1], []]}),
     ]
+    _served_as_valid(state, cases)
+
+
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_what_the_schema_refuses_of_responses_and_tokenize_the_proxy_refuses(state: ProxyState) -> None:
+    """The same for /v1/responses, /tokenize and /detokenize: stateless fields, unknown fields (null is absent for
+    /v1/responses only), input items, tools, text formats, metadata, and the tokenize request's two forms."""
+    answer = BASE_BODIES["/v1/responses"]
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": ""}
+    cases: list[tuple[str, dict[str, Any]]] = [("/v1/responses", {**answer, **extra}) for extra in [
+        {"top_logprobs": 2}, {"top_logprobs": 2, "include": [LOGPROBS_INCLUDE]}, {"top_logprobs": None},
+        {"include": ["reasoning.encrypted_content"]}, {"store": False}, {"store": True}, {"background": False},
+        {"background": True}, {"previous_response_id": None}, {"previous_response_id": "resp_1"}, {"seed": None},
+        {"seed": 1}, {"truncation": "disabled"}, {"truncation": "auto"}, {"text": {"format": {"type": "json_object"}}},
+        {"text": {"format": None}}, {"text": {"verbosity": "low"}}, {"text": {"format": {"type": "json_schema"}}},
+        {"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}},
+        {"reasoning": {"effort": "low", "summary": None}}, {"reasoning": {"effort": "maximal"}},
+        {"reasoning": {"depth": None}}, {"metadata": {"k": "v"}}, {"metadata": {"k": 1}},
+        {"metadata": {str(i): "v" for i in range(17)}}, {"metadata": {"k" * 65: "v"}},
+        {"tool_choice": "required"}, {"tools": [TOOL], "tool_choice": "required"}, {"tools": [], "tool_choice": "none"},
+        {"tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"}},
+        {"tools": [TOOL], "tool_choice": {"type": "function", "name": ""}},
+        {"tools": [{**TOOL, "defer_loading": True}], "tool_choice": "none"}, {"tools": [{"type": "web_search"}]},
+        {"input": ""}, {"input": []}, {"input": [{"type": []}]}, {"input": [{"type": "item_reference", "id": "x"}]},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}], "id": "m", "status": 1}]},
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        {"input": [{"role": "user", "content": "x", "name": "me"}]}, {"input": [{"role": "tool", "content": "x"}]},
+        {"input": [{"type": "reasoning", "summary": [], "anything": 1}, *MESSAGES]},
+        {"input": [*MESSAGES, call, {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]},
+        {"input": [*MESSAGES, {**call, "arguments": "[1]"}]}, {"input": [{"type": "function_call_output"}]}]]
+    cases += [("/tokenize", body) for body in [
+        {"prompt": ""}, {"prompt": "x", "messages": None}, {"messages": MESSAGES, "prompt": None}, {"prompt": None},
+        {"prompt": "x", "add_special_tokens": False, "return_token_strs": None}, {"prompt": "x", "tools": None},
+        {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
+        {"messages": [*MESSAGES, {"role": "assistant", "content": "It"}], "continue_final_message": True},
+        {"messages": MESSAGES, "chat_template": None}, {"messages": MESSAGES, "chat_template": "{{ messages }}"},
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": MESSAGES, "tool_choice": None}, {"messages": []}]]
+    cases += [("/detokenize", body) for body in [
+        {"tokens": []}, {"tokens": [1.0]}, {"tokens": [True]}, {"tokens": [1], "model": None},
+        {"tokens": [1], "skip_special_tokens": None}, {}]]
+    _served_as_valid(state, cases)
+
+
+def _served_as_valid(state: ProxyState, cases: list[tuple[str, dict[str, Any]]]) -> None:
+    """Each body is served (200) if its path's request schema holds it, refused (400) if not."""
+    doc = document(state)
+    validators = {path: validator(doc, component) for path, component in ENDPOINTS.items()}
     responses = served(state, [("POST", path, body) for path, body in cases])
     for (path, body), response in zip(cases, responses, strict=True):
-        schema_valid = (chat_validator if path == "/v1/chat/completions" else completion_validator).is_valid(body)
-        assert response.status_code == (200 if schema_valid else 400), (body, response.text)
+        schema_valid = validators[path].is_valid(body)
+        assert response.status_code == (200 if schema_valid else 400), (path, body, response.text)
+
+
+def test_a_responses_stream_is_the_documented_events_without_done(state: ProxyState) -> None:
+    doc = document(state)
+    (response,) = served(state, [("POST", "/v1/responses", {**BASE_BODIES["/v1/responses"], "stream": True})])
+    assert response.headers["content-type"].startswith("text/event-stream"), response.text
+    stream = doc["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    events = [dict(line.split(": ", 1) for line in block.split("\n")) for block in response.text.split("\n\n")
+              if block]
+    for event in events:
+        jsonschema.Draft202012Validator({**stream, "components": doc["components"]}).validate(event)
+        validator(doc, "ResponseStreamEvent").validate(json.loads(event["data"]))
+        assert json.loads(event["data"])["type"] == event["event"]
+    assert events[-1]["event"] == "response.incomplete"  # max_output_tokens reached: the last event, no [DONE]
 
 
 def test_an_api_key_guards_the_document_and_is_described(state: ProxyState) -> None:
@@ -220,6 +312,7 @@ def test_an_api_key_guards_the_document_and_is_described(state: ProxyState) -> N
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     doc = allowed.json()
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-    assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
-    assert "401" in doc["paths"]["/v1/completions"]["post"]["responses"]
+    for path in ENDPOINTS:
+        assert doc["paths"][path]["post"]["security"] == [{"bearer": []}]
+        assert "401" in doc["paths"][path]["post"]["responses"]
     assert "security" not in doc["paths"]["/health"]["get"]  # probes need no key
