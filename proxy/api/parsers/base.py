@@ -84,6 +84,34 @@ class ToolParser(ABC):
         return None
 
 
+class SteppedParser:
+    """The loop every parser here runs: `feed` adds to the buffer and takes steps until one needs more text;
+    `finish` takes the last steps (final: nothing more comes), then `_ended` says what the unfinished rest is."""
+
+    _buf: str
+
+    def feed(self, text: str) -> ParsedText:
+        out = ParsedText()
+        self._buf += text
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> ParsedText:
+        out = ParsedText()
+        while self._step(out, final=True):
+            pass
+        self._ended(out)
+        return out
+
+    def _step(self, out: ParsedText, final: bool) -> bool:
+        """Consumes what it can of the buffer into `out`; False when it needs more text (or, final, is done)."""
+        raise NotImplementedError
+
+    def _ended(self, out: ParsedText) -> None:
+        """After the last step: flush what is held."""
+
+
 class ReasoningParser(ABC):
     """Splits one choice's output into reasoning and content (vLLM's `--reasoning-parser NAME`)."""
 

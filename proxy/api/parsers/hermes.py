@@ -20,6 +20,7 @@ from proxy.api.parsers.base import (
     CallLog,
     ParsedText,
     Segments,
+    SteppedParser,
     ToolCall,
     ToolParser,
     ToolStructure,
@@ -41,7 +42,7 @@ def _call(body: str) -> ToolCall | None:
     return call_from_json(obj, arguments_required=False)
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(SteppedParser, ToolParser):
     name = "hermes"
 
     def __init__(self) -> None:
@@ -52,19 +53,8 @@ class HermesToolParser(ToolParser):
         self._log = CallLog()
         self._segments = Segments()
 
-    def feed(self, text: str) -> ParsedText:
-        out = ParsedText()
-        self._buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ParsedText:
-        out = ParsedText()
-        while self._step(out, final=True):
-            pass
+    def _ended(self, out: ParsedText) -> None:
         out.content += self._segments.flush(bool(self._log.calls))
-        return out
 
     def calls(self) -> list[ToolCall]:
         return list(self._log.calls)

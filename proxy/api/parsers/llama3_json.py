@@ -19,6 +19,7 @@ from proxy.api.parsers.base import (
     CallLog,
     JsonExtent,
     ParsedText,
+    SteppedParser,
     ToolCall,
     ToolParser,
     ToolStructure,
@@ -46,7 +47,7 @@ def _call(text: str) -> ToolCall | None:
     return call_from_json(obj, arguments_required=True)
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(SteppedParser, ToolParser):
     name = "llama3_json"
 
     def __init__(self) -> None:
@@ -56,22 +57,11 @@ class Llama3JsonToolParser(ToolParser):
         self._extent = JsonExtent()
         self._log = CallLog()
 
-    def feed(self, text: str) -> ParsedText:
-        out = ParsedText()
-        self._buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ParsedText:
-        out = ParsedText()
-        while self._step(out, final=True):
-            pass
+    def _ended(self, out: ParsedText) -> None:
         rest, self._pending, self._buf = self._pending + self._buf, "", ""
         # only separators are left after calls: nothing to say; else the unfinished text is content
         if not (self._log.calls and self._state in (_EXPECT, _AFTER)):
             out.content += rest
-        return out
 
     def calls(self) -> list[ToolCall]:
         return list(self._log.calls)

@@ -22,6 +22,7 @@ from proxy.api.parsers.base import (
     JsonExtent,
     ParsedText,
     Segments,
+    SteppedParser,
     ToolCall,
     ToolParser,
     ToolStructure,
@@ -51,7 +52,7 @@ _ITEM_OBJ = "item_obj"  # list form: inside an item
 _ITEM_AFTER = "item_after"  # list form: after an item: , or ]
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(SteppedParser, ToolParser):
     name = "mistral"
 
     def __init__(self) -> None:
@@ -64,17 +65,7 @@ class MistralToolParser(ToolParser):
         self._segments = Segments()
         self._group_calls = 0  # calls made since the last BOT
 
-    def feed(self, text: str) -> ParsedText:
-        out = ParsedText()
-        self._buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ParsedText:
-        out = ParsedText()
-        while self._step(out, final=True):
-            pass
+    def _ended(self, out: ParsedText) -> None:
         if self._state != _TEXT:  # the output ended inside a call (a list without its `]`: what is left after it)
             rest = self._pending + self._buf
             if not (self._state in (_ITEM, _ITEM_AFTER) and self._group_calls and not rest.strip(" \n\t\r,")):
@@ -83,7 +74,6 @@ class MistralToolParser(ToolParser):
             self._pending = self._buf = ""
             self._state = _TEXT
         out.content += self._segments.flush(bool(self._log.calls))
-        return out
 
     def calls(self) -> list[ToolCall]:
         return list(self._log.calls)

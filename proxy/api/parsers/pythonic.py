@@ -17,7 +17,7 @@ import ast
 import json
 import re
 
-from proxy.api.parsers.base import CallLog, ParsedText, ToolCall, ToolParser, finite_json, starts_token
+from proxy.api.parsers.base import CallLog, ParsedText, SteppedParser, ToolCall, ToolParser, finite_json, starts_token
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
@@ -105,7 +105,7 @@ def _call(text: str) -> ToolCall | None:
     return ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False))
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(SteppedParser, ToolParser):
     name = "pythonic"
 
     def __init__(self) -> None:
@@ -115,22 +115,11 @@ class PythonicToolParser(ToolParser):
         self._extent = _PythonExtent(0)
         self._log = CallLog()
 
-    def feed(self, text: str) -> ParsedText:
-        out = ParsedText()
-        self._buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ParsedText:
-        out = ParsedText()
-        while self._step(out, final=True):
-            pass
+    def _ended(self, out: ParsedText) -> None:
         rest, self._pending, self._buf = self._pending + self._buf, "", ""
         if self._state != _DONE:  # after the list only whitespace is left; else the unfinished text is content
             self._log.drop()
             out.content += rest
-        return out
 
     def calls(self) -> list[ToolCall]:
         return list(self._log.calls)

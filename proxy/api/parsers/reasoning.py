@@ -20,7 +20,7 @@ cannot see the prompt's text, assumes the template opened the block).
 
 from __future__ import annotations
 
-from proxy.api.parsers.base import ParsedText, ReasoningParser, held_prefix, starts_token
+from proxy.api.parsers.base import ParsedText, ReasoningParser, SteppedParser, held_prefix, starts_token
 
 START = "<think>"
 END = "</think>"
@@ -41,7 +41,7 @@ def prompt_thinking(prompt_tail: str) -> str:
     return ""
 
 
-class _ThinkParser(ReasoningParser):
+class _ThinkParser(SteppedParser, ReasoningParser):
     """Reasoning in `<think>...</think>`; `unopened`: what an output is where neither the prompt nor the output
     opens the block."""
 
@@ -54,18 +54,6 @@ class _ThinkParser(ReasoningParser):
         self._state = _CONTENT if thinking == "closed" else _OPENING
         self._after_opening = _REASONING if thinking == "open" else self.unopened
 
-    def feed(self, text: str) -> ParsedText:
-        out = ParsedText()
-        self._buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> ParsedText:
-        out = ParsedText()
-        while self._step(out, final=True):
-            pass
-        return out
 
     def _step(self, out: ParsedText, final: bool) -> bool:
         """One move; False when it needs more text."""
