@@ -69,8 +69,11 @@ def _message(message: Any, index: int) -> ChatMessage:
     if role != "assistant" and message.get("tool_calls"):
         raise bad_request(f"{where}.tool_calls: only assistant messages call tools", "messages")
     tool_call_id = message.get("tool_call_id")
-    if role == "tool" and not isinstance(tool_call_id, str):
-        raise bad_request(f"{where}.tool_call_id (the call this result answers) must be a string", "messages")
+    if (role == "tool" or tool_call_id is not None) and not isinstance(tool_call_id, str):
+        raise bad_request(f"{where}.tool_call_id (the call a tool result answers) must be a string", "messages")
+    reasoning = message.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise bad_request(f"{where}.reasoning_content must be a string", "messages")
     content = _content(message.get("content"), where)
     if content is None and not tool_calls and role != "assistant":
         content = ""
@@ -105,6 +108,8 @@ def _history_calls(value: Any, where: str) -> tuple[HistoryToolCall, ...]:
         call_id = call.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise bad_request(f"{at}.id must be a string", "messages")
+        if call.get("type") not in (None, "function"):
+            raise bad_request(f"{at}.type must be \"function\"", "messages")
         calls.append(HistoryToolCall(call_id or f"call_{index_id(where, i)}", function["name"],
                                      _arguments(function.get("arguments"), at)))
     return tuple(calls)

@@ -69,7 +69,8 @@ def chat_tool_properties() -> dict[str, Schema]:
                                            {"type": "object", "required": ["type", "function"], "properties": {
                                                "type": {"const": "function"},
                                                "function": {"type": "object", "required": ["name"],
-                                                            "properties": {"name": {"type": "string"}}}}}]}),
+                                                            "properties": {"name": {"type": "string",
+                                                                                    "minLength": 1}}}}}]}),
         "parallel_tool_calls": nullable({"type": "boolean", "default": True}),
         "chat_template_kwargs": nullable({"type": "object", "description": "To the chat template, e.g. "
                                                                            "{\"enable_thinking\": false}."}),

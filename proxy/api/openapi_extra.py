@@ -3,7 +3,7 @@
 
 As in openapi.py, each schema says what the parser enforces: the fields it reads, the values it refuses (400 naming
 the field), the bounds. Where the two APIs differ on unknown fields, so do the schemas: /tokenize and /detokenize
-refuse any field they do not read, /v1/responses only one with a value (null reads as absent, as for its own).
+refuse any field they do not read, /v1/responses only one with a value (null reads as absent, as for its fields).
 """
 
 from __future__ import annotations
@@ -160,7 +160,11 @@ def responses_request(api: ServedAPI, shared: dict[str, Schema]) -> Schema:
             # a required or named tool choice needs tools
             {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [
                 {"const": "required"}, {"type": "object"}]}}},
-             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}],
+             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+            # reasoning items are not rendered: without instructions, the input needs another item
+            {"if": {"not": {"required": ["instructions"], "properties": {"instructions": {"type": "string"}}}},
+             "then": {"properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "contains": {
+                 "not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}}}]}}}}],
         "properties": {
             "model": shared["model"],
             "input": {"anyOf": [{"type": "string", "description": "One user message."},
@@ -246,7 +250,7 @@ def responses_schemas() -> dict[str, Schema]:
     string: Schema = {"type": "string"}
     index: Schema = {"type": "integer", "minimum": 0}
     where: dict[str, Schema] = {"item_id": string, "output_index": index}
-    in_part: dict[str, Schema] = {**where, "content_index": {"const": 0}}  # a message's or a reasoning item's one content part
+    in_part: dict[str, Schema] = {**where, "content_index": {"const": 0}}  # an item has one content part
     logprobs = {"logprobs": _TOKEN_LOGPROBS}  # of the text's tokens: empty unless include asks for them
     return {
         "Response": {
