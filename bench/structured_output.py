@@ -5,11 +5,12 @@
 
 The default model is Llama-3.1-8B's shape with random bf16 weights (`--load-format dummy`) and SmolLM2's real
 byte-level BPE tokenizer (49,152 ids): xgrammar's masks are computed over a real vocabulary. For each batch size,
-the same prompts decode `--steps` steps greedily three ways: unconstrained (ignore_eos), under a JSON schema whose
+the same prompts decode `--steps` steps greedily four ways: unconstrained (ignore_eos), under a JSON schema whose
 instances never end quickly (an array of objects with a free string, so the batch stays full: a random model
-rarely closes it), and under a regex. Reported: ms per step and per generated token, and the difference from
-unconstrained, plus the host time to fill the batch's masks alone (engine/structured_output.py), which the engine
-spends while the device runs the forward pass. Timing starts once every request has its first token (prefill
+rarely closes it), under a regex, and under the structural tag tool_choice "auto" puts on a text answer.
+Reported: ms per step and per generated token, and the difference from unconstrained, plus the host time to
+fill the batch's masks alone (engine/structured_output.py), which the engine spends while the device runs the
+forward pass. Timing starts once every request has its first token (prefill
 excluded). A smoke run on CPU: --model a tiny model directory --dtype float32 --batches 1,4 --steps 8.
 """
 
@@ -32,6 +33,12 @@ SCHEMA = {"type": "array", "items": {"type": "object", "required": ["id", "name"
                                      "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
                                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}}}}
 REGEX = r"([a-z]+ [0-9]+, )+"
+# tool_choice "auto" as the proxy constrains it (proxy/api/tools.py, hermes): text is free until the model writes
+# <tool_call>, then the call must be one of the tools'. A random model writes text: this is the cost the constraint
+# adds to an answer that calls nothing, against vLLM's unconstrained auto
+TOOL_TAG = {"type": "structural_tag", "triggers": ["<tool_call>"], "structures": [
+    {"begin": '<tool_call>\n{"name": "get_weather", "arguments": ', "end": "}\n</tool_call>",
+     "schema": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}]}
 
 
 def synchronize() -> None:
@@ -103,7 +110,8 @@ def main() -> None:
               max_num_batched_tokens=max(8192, args.context * max(batches)),
               max_model_len=args.context + args.steps + 64)
     kinds = {"unconstrained": None, "json_schema": StructuredOutputsParams(json=SCHEMA),
-             "regex": StructuredOutputsParams(regex=REGEX)}
+             "regex": StructuredOutputsParams(regex=REGEX),
+             "auto_tool_tag": StructuredOutputsParams(structural_tag=json.dumps(TOOL_TAG), disable_any_whitespace=True)}
     compile_start = time.perf_counter()
     for spec in kinds.values():
         if spec is not None:
