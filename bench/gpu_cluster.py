@@ -41,8 +41,8 @@ generated stubs in protos/ require; nixl + nixl-cu13 for --kv-backend nixl), the
 A preflight (seconds) imports what the nodes, proxy and client import and fails with the import's message.
 The KV backend's library must be importable (nixl: the nixl + nixl-cu13 wheels; ipc: nothing).
 For NIXL on a GPU the nodes get UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y (UCX allows cuda_ipc GETs only with it when NVML
-reports no NVLink, as in the H200 VM: ../shared/ENV-NOTES.md); --node-env KEY=VALUE adds or overrides variables,
---node-args appends flags to both nodes (e.g. "--gpu-memory-utilization 0.45" where the nodes take it).
+reports no NVLink, as in the H200 VM: docs/environment.md#ucx-and-nixl); --node-env KEY=VALUE adds or overrides
+variables, --node-args appends flags to both nodes (e.g. "--gpu-memory-utilization 0.45" where the nodes take it).
 """
 
 from __future__ import annotations

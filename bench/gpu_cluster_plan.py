@@ -143,8 +143,8 @@ def make_plan(args: argparse.Namespace, gpu_total_bytes: int | None) -> Plan:
     prefill_blocks, decode_blocks, alone_blocks = kv_blocks(args, model, 4 if dtype == "float32" else 2,
                                                           gpu_total_bytes)
     env = {"NIXL_LOG_LEVEL": "WARN"}
-    if args.device == "cpu":
-        env.update({"CUDA_VISIBLE_DEVICES": "", "UCX_MODULES": "^ib"})  # ENV-NOTES: UCX on a CPU box
+    if args.device == "cpu":  # UCX on a CPU box: docs/environment.md#ucx-and-nixl
+        env.update({"CUDA_VISIBLE_DEVICES": "", "UCX_MODULES": "^ib"})
     else:
         env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
     env.update(kv.split("=", 1) for kv in args.node_env)

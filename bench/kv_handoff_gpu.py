@@ -1,4 +1,6 @@
-"""KV handoff bandwidth: two processes on one GPU, engine-shaped bf16 KV pools, per transfer backend (DESIGN §3).
+"""KV handoff bandwidth: two processes on one GPU, engine-shaped bf16 KV pools, per transfer backend.
+
+The pools have the engine's KV layout (docs/architecture.md#kv-layout).
 
     python bench/kv_handoff_gpu.py [--device cuda|cpu] [--backends nixl,nixl-write,ipc,mooncake]
         [--prompt-tokens 1024,4096,16384] [--repeats 20] [--warmup 3] [--json FILE]
@@ -24,8 +26,9 @@ Variants: each `--variant` runs the NIXL rows again with its own UCX settings (`
 connector as TransportSettings.ucx_config, on top of the VRAM default CUDA_IPC_ENABLE_GET_ZCOPY=y) and its own
 process environment (`env:NAME=VALUE`, for what NIXL cannot take as a setting, e.g. `env:UCX_TLS=cuda_ipc,
 cuda_copy,tcp`). This launcher sets that environment in P and D before they import a transport library, along
-with NIXL_LOG_LEVEL=WARN and UCX_MODULES=^ib (one machine, no InfiniBand; ENV-NOTES). The other backends and the
-baseline run under the first variant only. Default: one variant, "default" (the connector's own settings).
+with NIXL_LOG_LEVEL=WARN and UCX_MODULES=^ib (one machine, no InfiniBand: docs/environment.md#ucx-and-nixl). The
+other backends and the baseline run under the first variant only. Default: one variant, "default" (the connector's
+own settings).
 
 Two GPUs: `--devices 0,1` puts P's pool on cuda:0 and D's on cuda:1 (default 0,0: one GPU); the baseline is then a
 plain device-to-device copy between the two GPUs (source pool on P's GPU, `copy_` into D's), and "x copy" compares

@@ -11,7 +11,7 @@ allows it, so launch overheads of the small torch ops count as on a captured dec
   combine), when this torch has it; else skipped;
 - loop: one torch matmul pair per expert over its rows (what transformers' eager experts do);
 - floor: bytes the layer must read (the weights of every expert some token picked, plus x and the output)
-  / 4.2 TB/s (the H200's measured HBM read rate, ../shared/ENV-NOTES.md).
+  / 4.2 TB/s (the H200's measured HBM read rate, docs/environment.md#gpus).
 
 Every result is checked against the float32 torch twin (relative error). `--sweep` also times a few other tile
 shapes of the fused kernel and reports the best, to tune engine/kernels/moe.py's pick_tiles.

@@ -102,7 +102,7 @@ def serve(config: ServeConfig) -> None:
         registry_url = config.registry or _start_redis(log_dir, children)
         local = config.ray_address == "local"
         try:
-            if local:  # "local" always starts a fresh instance (ENV-NOTES: a stale cluster address hangs)
+            if local:  # "local" always starts a fresh instance (a stale cluster address hangs: docs/environment.md#ray)
                 # Ray runs its workers at nice 15 (to keep its own daemons responsive); the node processes the
                 # actors start inherit it, and would lose their cores to any other work on the machine, the proxy
                 # included: they are the serving work, at the priority of `tandem serve` itself

@@ -1,4 +1,4 @@
-"""The connector contract: how a node moves KV blocks to or from a peer (DESIGN §3).
+"""The connector contract: how a node moves KV blocks to or from a peer (docs/architecture.md#kv-layout).
 
 A connector owns one registered memory region per rank, the KV pool, laid out block-major so that block `i` of
 every layer is one contiguous run of `block_bytes` bytes at `base_address + i * block_bytes`, and a run of

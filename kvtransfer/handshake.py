@@ -83,7 +83,7 @@ class KVLayout:
     block_size: int
     tp_size: int
     connector_version: str = CONNECTOR_VERSION
-    hash_seed: str = ""  # the cluster's prefix-hash seed (DESIGN §3 checks it in the handshake)
+    hash_seed: str = ""  # the cluster's prefix-hash seed (docs/architecture.md#handoff: a pair must agree)
     # the split: this rank of tp_size holds KV heads [kv_head_start, kv_head_start + num_rank_kv_heads)
     tp_rank: int = 0
     kv_head_start: int = 0

@@ -17,7 +17,7 @@ any TP size computes the same value for the same bytes.
 
 Rank 0 drives the other ranks through the engine's `call_ranks` (on the engine thread, between steps); the
 functions named `_rank_*` run on every rank. A worker rank's agent is kept progressing by a thread of its own
-(the memory owner must progress for a peer's reads to complete, ENV-NOTES: NIXL).
+(the memory owner must progress for a peer's reads to complete: docs/environment.md#ucx-and-nixl).
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ def main() -> None:
                         block_checksums=block_checksums(engine, blocks))
 
     loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket)
-    # the owner of registered memory must keep the transfer library progressing (ENV-NOTES: NIXL) for decode
-    # nodes to read its leased blocks: every idle_wait_s while any block is leased, at rest otherwise
+    # the owner of registered memory must keep the transfer library progressing (docs/environment.md#ucx-and-nixl)
+    # for decode nodes to read its leased blocks: every idle_wait_s while any block is leased, at rest otherwise
     async_engine.add_ticker(lambda _: connector.progress(), in_flight=lambda: loop.num_pinned > 0)
     service = PrefillService(loop, async_engine, layout_hash, args.model, args.kv_backend, args.max_logprobs)
     identity = NodeIdentity(name, Role.PREFILL, address, args.model, layout_hash, args.kv_backend, args.hash_seed,

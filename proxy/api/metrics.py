@@ -1,4 +1,4 @@
-"""Prometheus metrics of the proxy and, polled on each scrape, of the nodes behind it (DESIGN §5).
+"""Prometheus metrics of the proxy and, polled on each scrape, of the nodes behind it (docs/operations.md#metrics).
 
 Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
 

@@ -38,7 +38,8 @@ class Process:
         self.log_path = log_dir / f"{module}-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("w")
         # the loopback transport, as `tandem serve` gives a single-machine cluster: UCX's devices as a setting (its
-        # TANDEM_* layer), and what UCX reads only from the environment (no InfiniBand modules: ENV-NOTES)
+        # TANDEM_* layer), and what UCX reads only from the environment (no InfiniBand modules:
+        # docs/environment.md#ucx-and-nixl)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_UCX_DEVICES": "lo", "UCX_MODULES": "^ib",
                     "NIXL_LOG_LEVEL": "WARN", **(env or {})}
         full_env.pop("TRITON_INTERPRET", None)

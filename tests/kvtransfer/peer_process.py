@@ -140,8 +140,8 @@ def assert_read_lands(reader: PeerProcess, peer_id: str, source: PeerProcess, re
 
 def launch_environment(read_timeout_s: float) -> dict[str, str]:
     """What this launcher starts a peer with (a node's launcher does the same): UCX without its InfiniBand modules
-    (ENV-NOTES: with ibverbs providers installed, NIXL crashes at exit otherwise), and Mooncake's own timeout
-    close to the connector's, so a read abandoned on a hung peer does not hold its blocks for 30 s."""
+    (docs/environment.md#ucx-and-nixl: with ibverbs providers installed, NIXL crashes at exit), and Mooncake's own
+    timeout close to the connector's, so a read abandoned on a hung peer does not hold its blocks for 30 s."""
     return {"UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN",
             "MC_TRANSFER_TIMEOUT": str(max(5, math.ceil(read_timeout_s)))}
 

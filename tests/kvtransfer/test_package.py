@@ -1,5 +1,5 @@
-"""Package rules: kvtransfer knows block ids and memory regions, not models (DESIGN §1), and loads a transfer
-library only when its backend is chosen."""
+"""Package rules: kvtransfer knows block ids and memory regions, not models (docs/architecture.md#layering), and
+loads a transfer library only when its backend is chosen."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Package boundaries (DESIGN §1): the engine knows nothing of nodes, proxy or transports, the proxy's share
-of it (types, hashing, detokenizer, output processor, config, tokenizer, GGUF metadata) imports no torch, and `wire`
-(what goes over the wire) is standard library only."""
+"""Package boundaries (docs/architecture.md#layering): the engine knows nothing of nodes, proxy or transports, the
+proxy's share of it (types, hashing, detokenizer, output processor, config, tokenizer, GGUF metadata) imports no torch,
+and `wire` (what goes over the wire) is standard library only."""
 
 from __future__ import annotations
 
