@@ -32,9 +32,13 @@ class DeviceError(ValueError):
 
 def resolve_device(name: str) -> torch.device:
     """'auto' (CUDA when there is one, else CPU), 'cpu', 'cuda' or 'cuda:N' (EngineConfig checked the form).
-    Asking for a GPU that is not there is a clear error, never a CUDA assertion deep in the first allocation."""
+    Asking for a GPU that is not there is a clear error, never a CUDA assertion deep in the first allocation.
+
+    A CUDA device always comes back with its index ('cuda' and 'auto' name the current one, cuda:0 where Ray's
+    CUDA_VISIBLE_DEVICES shows one GPU): torch.cuda.set_device refuses an index-less device, and a tensor's
+    device (always indexed) would never compare equal to one. `tandem serve` and the Helm chart pass 'cuda'."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type != "cuda":
         return device
@@ -46,7 +50,7 @@ def resolve_device(name: str) -> torch.device:
         visible = ", ".join(f"cuda:{i}" for i in range(count))
         raise DeviceError(f"device {name!r} does not exist: this process sees {count} CUDA device"
                           f"{'s' if count != 1 else ''} ({visible})")
-    return device
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def gib(num_bytes: float) -> str:
