@@ -25,6 +25,8 @@ it as a retryable failure of that node. Failures, at most `max_retries` retries 
 Each attempt has its own request id on its node (the request's id, then `-retryN`), so that the abort sent to a
 node the proxy gave up on (in the background, until the request's deadline: a frozen node that thaws frees the
 request's blocks) never hits a later attempt there.
+
+The policy is a state machine, its states, events and transitions in proxy.routing.pd_states; this module does its I/O.
 """
 
 from __future__ import annotations
@@ -34,28 +36,24 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-
-import grpc
 
 from engine.types import FinishReason, PositionLogprobs, PromptLogprobs, SamplingParams
 from node_common.tls import PLAINTEXT, ChannelSecurity
-from proxy.routing.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptAbandoned, AttemptLimits, Attempts, Retries
+from proxy.routing.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptLimits, Attempts, Retries
+from proxy.routing.cleanup import CleanupCalls
 from proxy.routing.clients import DecodeClient, NodeError, PrefillClient, Prefilled
 from proxy.routing.directory import NodeDirectory, NodeView
 from proxy.routing.liveness import FAILED_CHECKS_TO_LOSE
 from proxy.routing.migration import DecodeStreamBroken, Migrations
+from proxy.routing.pd_states import LOOKING_FOR_PREFILL, Action, Event, State, Transition, failure_event, next_state
 from proxy.routing.router import Mode, Route, Router, RouterConfig, RoutingPolicy
-from wire import KVTicket, Role
+from wire import Role
 
 logger = logging.getLogger(__name__)
 
 RETRY_PAUSE_S = 0.5
-# D's pull of the K/V failed (ABORTED) or the blocks it pulled did not verify (DATA_LOSS): retried on another pair
-_PULL_FAILURES = (grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS)
-CLEANUP_TIMEOUT_S = 2.0  # an abort or release to a node that is up
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,7 @@ class PDPipeline:
         self.max_retries = max_retries
         self.attempts = Attempts(directory.liveness, limits or AttemptLimits())
         self.migrations = Migrations(router)
-        self._background: set[asyncio.Future[None]] = set()  # clean-up calls to nodes given up on
+        self.cleanup = CleanupCalls(directory)  # shield its calls from a cancelled request: they must go out
 
     # what /health reads: clients of the nodes that routing may use now
     @property
@@ -94,8 +92,7 @@ class PDPipeline:
         await self.directory.start()
 
     async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
+        self.cleanup.cancel()
         await self.directory.close()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -107,8 +104,9 @@ class PDPipeline:
                      route.decode.node_id, f" after {route.prefill.node_id}" if route.prefill else "",
                      route.decode_hit_tokens, route.prefill_hit_tokens)
         retries = Retries(self.max_retries, request_id, self.attempts.counts.retries)
+        routed = Event.ROUTED_COLOCATED if route.mode is Mode.COLOCATED else Event.ROUTED_DISAGGREGATED
         first = (self._colocated(route.decode, prompt_token_ids, params, deadline, retries)
-                 if route.mode is Mode.COLOCATED else
+                 if _step(State.ROUTING, routed, retries).state is State.COLOCATED else
                  self._disaggregated(route, prompt_token_ids, params, deadline, retries))
 
         def resume(decode: NodeView, output_token_ids: list[int]) -> AsyncGenerator[TokenChunk, None]:
@@ -122,15 +120,16 @@ class PDPipeline:
     async def _colocated(self, decode: NodeView, prompt_token_ids: list[int], params: SamplingParams,
                          deadline: float, retries: Retries, output_token_ids: Sequence[int] = ()
                          ) -> AsyncGenerator[TokenChunk, None]:
-        """D prefills the prompt and streams every token; with `output_token_ids` (sent to the client already),
-        D continues the request after them."""
+        """State COLOCATED: D prefills the prompt and streams every token; with `output_token_ids` (sent to the
+        client already), D continues the request after them."""
         if output_token_ids:  # the prompt logprobs went out with the first chunk (and would cost D its prefix hits)
             params = dataclasses.replace(params, prompt_logprobs=None)
         tried: set[str] = set()
         finished = False
         attempt_id = retries.attempt_id(Role.DECODE)
+        state = State.COLOCATED
         try:
-            while True:
+            while state is State.COLOCATED:
                 started = False
                 try:
                     stream = self.directory.decode_client(decode).generate(attempt_id, prompt_token_ids, params,
@@ -146,54 +145,66 @@ class PDPipeline:
                             yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id,
                                              None if output_token_ids else out.num_cached_tokens,
                                              out.prompt_logprobs)
-                    return
+                    state = _step(state, Event.FINISHED, retries).state
+                    continue
                 except NodeError as e:
                     failure = e
                 self._note_failure(decode, failure)
                 tried.add(decode.address)
-                if started:  # the tokens sent stay sent: it continues elsewhere or fails (routing.migration)
+                step = _step(state, failure_event(failure, Role.DECODE, started), retries)
+                if step.action is Action.MIGRATE:  # the tokens sent stay sent: it continues elsewhere or fails
                     raise DecodeStreamBroken(decode, failure)
-                # only a D unreachable, lost or silent is worth leaving; its other errors would repeat elsewhere
-                other = self.router.another_decode(tried) if failure.try_another_node else None
-                if not failure.retryable or other is None or not retries.spend(failure):
+                if step.action is Action.FAIL:
                     raise failure
-                await self._abort_abandoned(decode, attempt_id, failure, deadline)
+                other = self.router.another_decode(tried)  # FIND_DECODE
+                step = _step(step.state, Event.NO_NODE_LEFT if other is None else Event.NODE_FOUND, retries)
+                if step.action is Action.FAIL:
+                    raise failure
+                spent = other is not None and retries.spend(failure)
+                assert spent and other is not None, "a retry was left for another decode node"
+                await self.cleanup.abort_abandoned(decode, attempt_id, failure, deadline)
                 logger.warning("request %s: %s; running it on %s instead", retries.request_id, failure,
                                other.node_id)
-                decode, attempt_id = other, retries.attempt_id(Role.DECODE)
+                decode, attempt_id, state = other, retries.attempt_id(Role.DECODE), step.state
         finally:
             if not finished:  # client gone, deadline or error: stop D's work
-                await asyncio.shield(self._abort(decode, attempt_id, deadline))
+                await asyncio.shield(self.cleanup.abort(decode, attempt_id, deadline))
 
     async def _disaggregated(self, route: Route, prompt_token_ids: list[int], params: SamplingParams,
                              deadline: float, retries: Retries) -> AsyncGenerator[TokenChunk, None]:
+        """From PREFILLING: the first token from P, then D (`_handed_off`); D alone when no P can be reached."""
         assert route.prefill is not None, "a disaggregated route has a prefill node"
-        decode = route.decode
         tried_prefill: set[str] = set()
-        got = await self._prefill_on_any(route, decode, route.prefill, prompt_token_ids, params, deadline, retries,
-                                         tried_prefill)
-        if got is None:  # no prefill node can be reached: D prefills it itself (nothing was sent yet)
+        step, got = await self._prefill_on_any(State.PREFILLING, route.prefill, route, route.decode,
+                                               prompt_token_ids, params, deadline, retries, tried_prefill)
+        if got is None:  # PREFILL_ON_DECODE: no prefill node can be reached and nothing was sent yet
             logger.warning("request %s: no prefill node can be reached; %s prefills it", retries.request_id,
-                           decode.node_id)
-            async with contextlib.aclosing(self._colocated(decode, prompt_token_ids, params, deadline,
-                                                           retries)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
-            return
-        holder, prefilled = got
+                           route.decode.node_id)
+            chunks = self._colocated(route.decode, prompt_token_ids, params, deadline, retries)
+        else:  # the prompt logprobs go out with the first chunk: not again from D, nor from a prefill again
+            params = dataclasses.replace(params, prompt_logprobs=None)
+            chunks = self._handed_off(step.state, *got, route, prompt_token_ids, params, deadline, retries,
+                                      tried_prefill)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    async def _handed_off(self, state: State, holder: NodeView, prefilled: Prefilled, route: Route,
+                          prompt_token_ids: list[int], params: SamplingParams, deadline: float, retries: Retries,
+                          tried_prefill: set[str]) -> AsyncGenerator[TokenChunk, None]:
+        """From SEND_FIRST_TOKEN (`state` DECODING, or DONE when P's first token finished the request): D streams
+        the rest, with a fresh ticket when D's attempt fails before it streamed (TICKET_LOST, PREFILLING_AGAIN),
+        or goes on alone from the first token when no P is left."""
+        decode = route.decode
         held = prefilled.ticket  # pinned on `holder` until released
-        # the prompt logprobs go out with the first chunk: not again from D, nor from a prefill again
-        params = dataclasses.replace(params, prompt_logprobs=None)
-        finished = prefilled.finish_reason is not None or prefilled.ticket is None
+        finished = state is State.DONE
         attempt_id = retries.attempt_id(Role.DECODE)
         try:
             # inside the try: a client gone right after the first token still releases the ticket
             first_logprobs = [prefilled.first_logprobs] if prefilled.first_logprobs else []
             yield TokenChunk([prefilled.first_token], first_logprobs, prefilled.finish_reason,
                              num_cached_tokens=prefilled.num_cached_tokens, prompt_logprobs=prefilled.prompt_logprobs)
-            if finished:
-                return
-            while True:
+            while state is State.DECODING:
                 started = False
                 try:
                     stream = self.directory.decode_client(decode).generate(attempt_id, prompt_token_ids, params,
@@ -207,22 +218,25 @@ class PDPipeline:
                             started = True
                             finished = out.finish_reason is not None
                             yield TokenChunk(out.token_ids, out.logprobs, out.finish_reason, out.stop_token_id)
-                    return
+                    state = _step(state, Event.FINISHED, retries).state
+                    continue
                 except NodeError as e:
                     failure = e
                 # an attempt given up because P was lost leaves D in place (only the abandonment names P)
-                failed = holder if failure.role == Role.PREFILL.value else decode
-                self._note_failure(failed, failure)
-                if started:  # the tokens sent stay sent: it continues elsewhere or fails (routing.migration)
+                self._note_failure(holder if failure.role == Role.PREFILL.value else decode, failure)
+                step = _step(state, failure_event(failure, Role.DECODE, started), retries)
+                if step.action is Action.MIGRATE:  # the tokens sent stay sent: it continues elsewhere or fails
                     raise DecodeStreamBroken(decode, failure)
-                if not failure.retryable or not retries.spend(failure):
+                if step.action is Action.FAIL:
                     raise failure
-                await self._abort_abandoned(decode, attempt_id, failure, deadline)
+                spent = retries.spend(failure)
+                assert spent, "a retry was left to renew the ticket"
+                await self.cleanup.abort_abandoned(decode, attempt_id, failure, deadline)
                 # the ticket is spent or stale: give it back, prefill again for a fresh one
                 assert held is not None, "an unfinished prefill hands out a ticket"
-                await self._release(holder, held, deadline)
+                await self.cleanup.release(holder, held, deadline)
                 held = None
-                if failed is decode and (failure.try_another_node or failure.code in _PULL_FAILURES):
+                if step.action is Action.RENEW_TICKET_ON_ANOTHER_DECODE:
                     other_decode = self.router.another_decode({decode.address}) or decode
                     await _pause_if_same(decode, other_decode, retries.used)
                     decode = other_decode
@@ -230,55 +244,72 @@ class PDPipeline:
                 tried_prefill.add(holder.address)
                 logger.warning("request %s: %s; prefilling again for %s", retries.request_id, failure,
                                decode.node_id)
-                got = await self._prefill_on_any(route, decode, None, prompt_token_ids, params, deadline, retries,
-                                                 tried_prefill)
-                if got is None:
-                    break
-                holder, again = got
-                if again.ticket is None:
+                step, renewed = await self._prefill_on_any(step.state, None, route, decode, prompt_token_ids,
+                                                           params, deadline, retries, tried_prefill)
+                if step.action is Action.FAIL:  # the fresh first token finished the request: no ticket
                     raise failure
-                prefilled = Prefilled(prefilled.first_token, prefilled.first_logprobs, None,
-                                      prefilled.num_cached_tokens, again.ticket)
-                held = again.ticket
-            # no prefill node can be reached: D goes on alone from the prompt and the first token already sent
-            logger.warning("request %s: no prefill node can be reached; %s continues it alone", retries.request_id,
-                           decode.node_id)
-            finished = True  # the colocated stream cleans up after itself
-            async with contextlib.aclosing(self._colocated(decode, prompt_token_ids, params, deadline, retries,
-                                                           [prefilled.first_token])) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+                state = step.state  # DECODING, or COLOCATED: no prefill node is left
+                if renewed is not None:
+                    holder, again = renewed
+                    held = again.ticket
+                    prefilled = Prefilled(prefilled.first_token, prefilled.first_logprobs, None,
+                                          prefilled.num_cached_tokens, again.ticket)
+            if state is State.COLOCATED:  # CONTINUE_ALONE: from the prompt and the first token already sent
+                logger.warning("request %s: no prefill node can be reached; %s continues it alone",
+                               retries.request_id, decode.node_id)
+                finished = True  # the colocated stream cleans up after itself
+                async with contextlib.aclosing(self._colocated(decode, prompt_token_ids, params, deadline, retries,
+                                                               [prefilled.first_token])) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
         finally:
             if not finished:
                 # client gone, deadline or error: stop D's work and free P's pinned blocks
-                await asyncio.shield(self._clean_up(decode, attempt_id, holder, held, deadline))
+                await asyncio.shield(self.cleanup.clean_up(decode, attempt_id, holder, held, deadline))
 
-    async def _prefill_on_any(self, route: Route, decode: NodeView, first: NodeView | None,
+    async def _prefill_on_any(self, state: State, node: NodeView | None, route: Route, decode: NodeView,
                               prompt_token_ids: list[int], params: SamplingParams, deadline: float,
-                              retries: Retries, tried: set[str]) -> tuple[NodeView, Prefilled] | None:
-        """Prefills on `first` (None: the best P for `decode`), then on others while the failures are retryable
-        and retries are left. None when no prefill node is left to try: every one is unreachable or gone."""
-        node = first or self.router.another_prefill(route, decode, tried)
-        while node is not None:
+                              retries: Retries, tried: set[str]
+                              ) -> tuple[Transition, tuple[NodeView, Prefilled] | None]:
+        """Runs the prefill states from `state`: PREFILLING on `node`, or TICKET_LOST (looking for a P, `node`
+        None). Returns the transition out of them (to DECODING or DONE with the node that prefilled and its answer;
+        to COLOCATED when no prefill node is left; to FAILED when a fresh first token finished the request) and
+        raises the prefill failure that ends the request."""
+        failure: NodeError | None = None
+        while True:
+            if state in LOOKING_FOR_PREFILL:
+                other = self.router.another_prefill(route, decode, tried)
+                step = _step(state, Event.NO_NODE_LEFT if other is None else Event.NODE_FOUND, retries)
+                if step.action is Action.FAIL:
+                    assert failure is not None, "only a prefill retry fails for want of a retry"
+                    raise failure
+                if other is None:
+                    return step, None
+                if step.action is Action.RETRY:
+                    assert failure is not None and node is not None, "a prefill retry follows a failed prefill"
+                    spent = retries.spend(failure)
+                    assert spent, "a retry was left"
+                    logger.warning("request %s: %s; prefilling on %s instead", retries.request_id, failure,
+                                   other.node_id)
+                    await _pause_if_same(node, other, retries.used)
+                state, node = step.state, other
+            assert node is not None, f"{state.value} runs on a prefill node"
             attempt_id = retries.attempt_id(Role.PREFILL)
             try:
-                return node, await self._prefill(node, attempt_id, prompt_token_ids, params, deadline)
+                prefilled = await self._prefill(node, attempt_id, prompt_token_ids, params, deadline)
             except NodeError as e:
                 failure = e
+            else:
+                # a fresh ticket's first token stands for the one sent: only a missing ticket ends it there
+                done = prefilled.ticket is None or (state is State.PREFILLING and prefilled.finish_reason is not None)
+                return _step(state, Event.PREFILLED_FINISHED if done else Event.PREFILLED, retries), (node, prefilled)
             self._note_failure(node, failure)
-            await self._abort_abandoned(node, attempt_id, failure, deadline)
+            await self.cleanup.abort_abandoned(node, attempt_id, failure, deadline)
             tried.add(node.address)
-            if not failure.retryable:
+            step = _step(state, failure_event(failure, Role.PREFILL, False), retries)
+            if step.action is Action.FAIL:
                 raise failure
-            other = self.router.another_prefill(route, decode, tried)
-            if other is None:
-                return None
-            if not retries.spend(failure):
-                raise failure
-            logger.warning("request %s: %s; prefilling on %s instead", retries.request_id, failure, other.node_id)
-            await _pause_if_same(node, other, retries.used)
-            node = other
-        return None
+            state = step.state
 
     async def _prefill(self, node: NodeView, attempt_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float) -> Prefilled:
@@ -290,7 +321,7 @@ class PDPipeline:
                     self.attempts.limits.prefill_timeout_s)
             except asyncio.CancelledError:
                 # the client went away mid-prefill: P may already hold (or be about to pin) blocks for it
-                await asyncio.shield(self._abort(node, attempt_id, deadline))
+                await asyncio.shield(self.cleanup.abort(node, attempt_id, deadline))
                 raise
         self.directory.mark_alive(node)
         return prefilled
@@ -299,39 +330,10 @@ class PDPipeline:
         if failure.unreachable:
             self.directory.mark_down(node)
 
-    # ---- clean-up calls (shield them from a cancelled request: they must go out all the same) ----
-    async def _clean_up(self, decode: NodeView, attempt_id: str, holder: NodeView, ticket: KVTicket | None,
-                        deadline: float) -> None:
-        await self._abort(decode, attempt_id, deadline)
-        if ticket is not None:
-            await self._release(holder, ticket, deadline)
 
-    async def _abort_abandoned(self, node: NodeView, attempt_id: str, failure: NodeError, deadline: float) -> None:
-        """A node that failed an attempt has ended it itself; one running an attempt the proxy gave up on (for its
-        own sake, or for the prefill node it pulls from) may still run it."""
-        if isinstance(failure, AttemptAbandoned):
-            await self._abort(node, attempt_id, deadline)
-
-    async def _abort(self, node: NodeView, attempt_id: str, deadline: float) -> None:
-        client = (self.directory.prefill_client(node) if node.role is Role.PREFILL
-                  else self.directory.decode_client(node))
-        await self._tell(node, lambda timeout: client.abort(attempt_id, timeout), deadline)
-
-    async def _release(self, node: NodeView, ticket: KVTicket, deadline: float) -> None:
-        client = self.directory.prefill_client(node)
-        await self._tell(node, lambda timeout: client.release(ticket, timeout), deadline)
-
-    async def _tell(self, node: NodeView, call: Callable[[float], Awaitable[None]], deadline: float) -> None:
-        """Makes a clean-up call (abort, release) to `node`: awaited while the node is up. A node given up on gets
-        it in the background, with until the request's deadline to answer: nobody waits for a frozen node, and one
-        that thaws still frees what it held for the request (its cancelled RPC may have finished before it saw the
-        cancellation)."""
-        if not self.directory.is_down(node):
-            await call(CLEANUP_TIMEOUT_S)
-            return
-        task = asyncio.ensure_future(call(max(CLEANUP_TIMEOUT_S, deadline - time.time())))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+def _step(state: State, event: Event, retries: Retries) -> Transition:
+    """The policy's transition (proxy.routing.pd_states), with the retries the request has left."""
+    return next_state(state, event, retries.limit - retries.used)
 
 
 async def _pause_if_same(failed: NodeView, chosen: NodeView, retries: int) -> None:
