@@ -41,7 +41,6 @@ from proxy.api.responses import (
     ChoiceDelta,
     ChoiceResult,
     CompletionFormat,
-    EchoedPrompt,
     Header,
     UsageTally,
     sse,
@@ -140,7 +139,7 @@ def create_app(state: ProxyState) -> Starlette:
         except APIError as e:
             return _error_response(e)
         return await _serve(request, state, CompletionFormat, prompts, parsed.generation, arrival, "prompt",
-                            echo=echo)
+                            format_options={"echo": echo, "n": parsed.generation.params.n})
 
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
@@ -234,16 +233,14 @@ def _authorize(state: ProxyState, request: Request) -> None:
 
 async def _serve(request: Request, state: ProxyState, format_class: type[Format], prompts: list[list[int]],
                  generation: Generation, arrival: float, param: str, parsing: Parsing = None,
-                 echo: list[EchoedPrompt] | None = None) -> Response:
+                 format_options: dict[str, Any] | None = None) -> Response:
     params = generation.params
     try:
         check_length(state.max_model_len, prompts, params.max_tokens, param)
     except APIError as e:
         return _error_response(e)
     header = Header(f"{format_class.id_prefix}-{uuid.uuid4().hex}", state.served_model_name, int(time.time()))
-    fmt: Format = (CompletionFormat(header, params.logprobs is not None, generation.include_usage, echo, params.n)
-                   if format_class is CompletionFormat else
-                   format_class(header, params.logprobs is not None, generation.include_usage))
+    fmt = format_class(header, params.logprobs is not None, generation.include_usage, **(format_options or {}))
     subs = fan_out(prompts, params)
     usage = UsageTally(sum(len(p) for p in prompts), params.n)
     deltas = generate(state, header.request_id, subs, arrival, parsing)

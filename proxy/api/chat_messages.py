@@ -110,14 +110,10 @@ def _history_calls(value: Any, where: str) -> tuple[HistoryToolCall, ...]:
             raise bad_request(f"{at}.id must be a string", "messages")
         if call.get("type") not in (None, "function"):
             raise bad_request(f"{at}.type must be \"function\"", "messages")
-        calls.append(HistoryToolCall(call_id or f"call_{index_id(where, i)}", function["name"],
+        # some clients leave a history call's id out: any id renders, none is looked up
+        calls.append(HistoryToolCall(call_id or f"call_{i}", function["name"],
                                      _arguments(function.get("arguments"), at)))
     return tuple(calls)
-
-
-def index_id(where: str, i: int) -> str:
-    """A stable id for a history call that came without one (some clients leave it out)."""
-    return f"{''.join(c for c in where if c.isdigit())}_{i}"
 
 
 def _arguments(value: Any, at: str) -> dict[str, Any]:

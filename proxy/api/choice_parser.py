@@ -93,7 +93,7 @@ class ChoiceParser:
             return parsed
         found = self.tools.feed(parsed.content) if parsed.content else ParsedText()
         if last:
-            found = _joined(found, self.tools.finish())
+            found = found + self.tools.finish()
         calls = found.tool_calls if self.parallel else [c for c in found.tool_calls if c.index == 0]
         return ParsedText(found.content, parsed.reasoning + found.reasoning, calls)
 
@@ -105,10 +105,6 @@ class ChoiceParser:
         """The whole calls, as the client receives them."""
         calls = self.tools.calls() if self.tools is not None else []
         return calls if self.parallel else calls[:1]
-
-
-def _joined(a: ParsedText, b: ParsedText) -> ParsedText:
-    return ParsedText(a.content + b.content, a.reasoning + b.reasoning, a.tool_calls + b.tool_calls)
 
 
 def choice_parsers(use: ToolUse, settings: ChatSettings, prompt_text: str) -> Callable[[], ChoiceParser] | None:

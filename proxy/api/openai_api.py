@@ -63,7 +63,8 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
-def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any) -> Any:
+def typed_field(body: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any) -> Any:
+    """body[key] if it is one of `kinds` (null: `default`), else a 400 naming the key."""
     value = body.get(key)
     if value is None:
         return default
@@ -75,7 +76,7 @@ def _typed(body: dict[str, Any], key: str, kinds: tuple[type, ...], default: Any
 
 def _number(body: dict[str, Any], key: str, default: float) -> float:
     try:
-        value = float(_typed(body, key, (int, float), default))
+        value = float(typed_field(body, key, (int, float), default))
     except OverflowError:  # an integer of hundreds of digits: no float holds it
         value = math.inf
     if not math.isfinite(value):  # Python's json reads NaN and Infinity
@@ -95,7 +96,7 @@ def _integer(body: dict[str, Any], key: str, default: int | None, bits: int = 32
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # some clients send 16.0
     else:
-        value = _typed(body, key, (int,), default)
+        value = typed_field(body, key, (int,), default)
     lowest, highest = integer_bounds(bits)
     if value is not None and not lowest <= value <= highest:
         raise bad_request(f"'{key}' is out of range", key)
@@ -103,8 +104,8 @@ def _integer(body: dict[str, Any], key: str, default: int | None, bits: int = 32
     return result
 
 
-def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    return bool(_typed(body, key, (bool,), default))
+def flag_field(body: dict[str, Any], key: str, default: bool) -> bool:
+    return bool(typed_field(body, key, (bool,), default))
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -160,7 +161,7 @@ def _limited_max_tokens(max_tokens: int | None, default: int | None, limits: Req
 
 def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: int | None,
                 limits: RequestLimits) -> Generation:
-    model = _typed(body, "model", (str,), "")
+    model = typed_field(body, "model", (str,), "")
     n = _integer(body, "n", 1)
     assert n is not None
     if not 1 <= n <= limits.max_n:
@@ -191,15 +192,15 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
             repetition_penalty=_number(body, "repetition_penalty", 1.0),
             stop=_stop(body),
             stop_token_ids=None if stop_token_ids is None else _token_ids(stop_token_ids, "stop_token_ids"),
-            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
-            ignore_eos=_flag(body, "ignore_eos", False), logprobs=num_top_logprobs,
-            skip_special_tokens=_flag(body, "skip_special_tokens", True), structured_outputs=structured_outputs,
+            include_stop_str_in_output=flag_field(body, "include_stop_str_in_output", False),
+            ignore_eos=flag_field(body, "ignore_eos", False), logprobs=num_top_logprobs,
+            skip_special_tokens=flag_field(body, "skip_special_tokens", True), structured_outputs=structured_outputs,
             logit_bias=_logit_bias(body), prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise bad_request(str(e), field) from e
-    stream = _flag(body, "stream", False)
-    stream_options = _typed(body, "stream_options", (dict,), None)
+    stream = flag_field(body, "stream", False)
+    stream_options = typed_field(body, "stream_options", (dict,), None)
     if stream_options is not None and not stream:
         raise bad_request("'stream_options' is only allowed with stream=true", "stream_options")
     options = stream_options or {}
@@ -207,8 +208,8 @@ def _generation(body: dict[str, Any], max_tokens: int | None, num_top_logprobs: 
     if unknown:
         raise bad_request(f"stream_options.{str(unknown[0])[:40]} is not supported; the options are include_usage "
                           "and continuous_usage_stats", "stream_options", "unsupported_parameter")
-    include_usage = bool(_typed(options, "include_usage", (bool,), False))
-    continuous_usage = bool(_typed(options, "continuous_usage_stats", (bool,), False))
+    include_usage = bool(typed_field(options, "include_usage", (bool,), False))
+    continuous_usage = bool(typed_field(options, "continuous_usage_stats", (bool,), False))
     return Generation(model, params, stream, include_usage, continuous_usage)
 
 
@@ -237,7 +238,7 @@ def parse_completion(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> Comple
         raise bad_request("'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt")
     if any(not p for p in prompts):
         raise bad_request("'prompt' must not be empty", "prompt")
-    echo = _flag(body, "echo", False)
+    echo = flag_field(body, "echo", False)
     max_tokens = _limited_max_tokens(_integer(body, "max_tokens", None), 16, limits, "max_tokens")
     generation = _generation(body, max_tokens, _integer(body, "logprobs", None), limits)
     params = generation.params
@@ -246,7 +247,7 @@ def parse_completion(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> Comple
         generation = dataclasses.replace(generation, params=dataclasses.replace(params, prompt_logprobs=wanted))
     if len(prompts) * generation.params.n > limits.max_n:
         raise bad_request(f"prompts x n must be at most {limits.max_n} (this server's limit)", "n")
-    return CompletionRequest(prompts, generation, _flag(body, "add_special_tokens", True), echo)
+    return CompletionRequest(prompts, generation, flag_field(body, "add_special_tokens", True), echo)
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (each has its request field)
@@ -257,7 +258,7 @@ _TEMPLATE_ARGUMENTS = frozenset({
 
 
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    kwargs = _typed(body, "chat_template_kwargs", (dict,), {})
+    kwargs = typed_field(body, "chat_template_kwargs", (dict,), {})
     clashing = sorted(k for k in kwargs if k in _TEMPLATE_ARGUMENTS or not isinstance(k, str))
     if clashing:
         raise bad_request(f"chat_template_kwargs may not set {str(clashing[0])[:40]!r}: it has its own field or "
@@ -278,15 +279,15 @@ def parse_chat(raw: Any, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
         max_tokens, param = max_completion_tokens, "max_completion_tokens"
     max_tokens = _limited_max_tokens(max_tokens, None, limits, param)
     num_top_logprobs = _integer(body, "top_logprobs", None)
-    if _flag(body, "logprobs", False):
+    if flag_field(body, "logprobs", False):
         num_top_logprobs = num_top_logprobs or 0
     elif num_top_logprobs is not None:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     generation = _generation(body, max_tokens, num_top_logprobs, limits)
-    continue_final = _flag(body, "continue_final_message", False)
-    add_generation_prompt = _flag(body, "add_generation_prompt", not continue_final)
+    continue_final = flag_field(body, "continue_final_message", False)
+    add_generation_prompt = flag_field(body, "add_generation_prompt", not continue_final)
     if continue_final and add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
     return ChatRequest(messages, add_generation_prompt, generation, tools, continue_final, _template_kwargs(body),
-                       _flag(body, "add_special_tokens", False))
+                       flag_field(body, "add_special_tokens", False))

@@ -13,7 +13,6 @@ chat template refusing a conversation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.types import FinishReason
 from proxy.api.fields import Endpoint
@@ -21,13 +20,13 @@ from proxy.api.limits import RequestLimits
 from proxy.api.openai_api import integer_bounds
 from proxy.api.openapi_chat import ANSWER_DELTA, ANSWER_MESSAGE, CHAT_MESSAGE, chat_tool_properties, table_properties
 from proxy.api.openapi_extra import responses_answer, responses_request, responses_schemas, tokenizer_schemas
+from proxy.api.openapi_parts import Schema, flag, integer, nullable, ref
 from proxy.api.structured_outputs import openapi_properties
 
 INT32_MAX = integer_bounds(32)[1]
 INT64_MIN, INT64_MAX = integer_bounds(64)
 TOKEN_ID_MAX = 2**31 - 1  # stop_token_ids: any token id the wire carries (one beyond the vocabulary never matches)
 
-Schema = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -43,77 +42,49 @@ class ServedAPI:
     metrics_need_key: bool = False  # --metrics-require-api-key
 
 
-def _ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _nullable(schema: Schema) -> Schema:
-    """The proxy reads null as "not given" for every optional field."""
-    if "type" not in schema:
-        return {"anyOf": [schema, {"type": "null"}]}
-    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-    nullable = {**schema, "type": [*kinds, "null"]}
-    if "const" in nullable:
-        nullable["enum"] = [nullable.pop("const")]
-    if "enum" in nullable:
-        nullable["enum"] = [*nullable["enum"], None]
-    return nullable
-
-
-def _integer(minimum: int, maximum: int, description: str, default: int | None = None) -> Schema:
-    schema: Schema = {"type": "integer", "minimum": minimum, "maximum": maximum, "description": description}
-    if default is not None:
-        schema["default"] = default
-    return _nullable(schema)
-
-
-def _flag(description: str, default: bool) -> Schema:
-    return _nullable({"type": "boolean", "default": default, "description": description})
-
-
 def _sampling_properties(api: ServedAPI) -> dict[str, Schema]:
     """What both endpoints share (openai_api._generation)."""
-    model = _nullable({"type": "string", "enum": [api.served_model_name, ""],
+    model = nullable({"type": "string", "enum": [api.served_model_name, ""],
                        "description": "The served model (GET /v1/models); absent or empty means that one. Any other "
                                       "name: 404."})
     stop_text = {"type": "string", "minLength": 1}
     return {
         "model": model,
-        "n": _integer(1, api.limits.max_n, "Choices per prompt (for completions, prompts x n is at most "
+        "n": integer(1, api.limits.max_n, "Choices per prompt (for completions, prompts x n is at most "
                                            f"{api.limits.max_n}).", 1),
-        "best_of": _integer(1, api.limits.max_n, "Only equal to n (anything else: 400 unsupported_parameter)."),
-        "temperature": _nullable({"type": "number", "minimum": 0, "default": 1.0,
+        "best_of": integer(1, api.limits.max_n, "Only equal to n (anything else: 400 unsupported_parameter)."),
+        "temperature": nullable({"type": "number", "minimum": 0, "default": 1.0,
                                   "description": "0 (or below 1e-5) samples greedily."}),
-        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0}),
-        "top_k": _integer(-1, INT32_MAX, "-1 or 0: disabled.", 0),
-        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1, "default": 0.0}),
-        "seed": _integer(INT64_MIN, INT64_MAX, "Sample i of n uses seed + i."),
-        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2, "default": 0.0}),
-        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2, "default": 0.0}),
-        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "default": 1.0}),
-        "min_tokens": _integer(0, INT32_MAX, "At most max_tokens.", 0),
-        "stop": _nullable({"anyOf": [stop_text, {"type": "array", "items": stop_text}],
+        "top_p": nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0}),
+        "top_k": integer(-1, INT32_MAX, "-1 or 0: disabled.", 0),
+        "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1, "default": 0.0}),
+        "seed": integer(INT64_MIN, INT64_MAX, "Sample i of n uses seed + i."),
+        "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2, "default": 0.0}),
+        "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2, "default": 0.0}),
+        "repetition_penalty": nullable({"type": "number", "exclusiveMinimum": 0, "default": 1.0}),
+        "min_tokens": integer(0, INT32_MAX, "At most max_tokens.", 0),
+        "stop": nullable({"anyOf": [stop_text, {"type": "array", "items": stop_text}],
                            "description": "Stop strings: the text ends before the first one (unless "
                                           "include_stop_str_in_output)."}),
-        "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0,
+        "stop_token_ids": nullable({"type": "array", "items": {"type": "integer", "minimum": 0,
                                                                 "maximum": TOKEN_ID_MAX}}),
-        "include_stop_str_in_output": _flag("Keep the stop string that ended a choice in its text.", False),
-        "ignore_eos": _flag("Generate past the end-of-sequence token.", False),
-        "skip_special_tokens": _flag("Leave special tokens out of the text.", True),
-        "stream": _flag("Answer as server-sent events (text/event-stream), ending with `data: [DONE]`.", False),
-        "stream_options": _nullable({"type": "object", "description": "Only with stream: true.",
+        "include_stop_str_in_output": flag("Keep the stop string that ended a choice in its text.", False),
+        "ignore_eos": flag("Generate past the end-of-sequence token.", False),
+        "skip_special_tokens": flag("Leave special tokens out of the text.", True),
+        "stream": flag("Answer as server-sent events (text/event-stream), ending with `data: [DONE]`.", False),
+        "stream_options": nullable({"type": "object", "description": "Only with stream: true.",
                                      "additionalProperties": False,
-                                     "properties": {"include_usage": _flag("A last chunk with the usage.", False),
-                                                    "continuous_usage_stats": _flag(
+                                     "properties": {"include_usage": flag("A last chunk with the usage.", False),
+                                                    "continuous_usage_stats": flag(
                                                         "With include_usage: the usage so far in every chunk.",
                                                         False)}}),
-        "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+        "logit_bias": nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
                                  "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                                  "description": "Token id (decimal text) -> bias added to its logit before sampling; "
                                                 "an id outside the vocabulary: 400 from the nodes."}),
-        "prompt_logprobs": _integer(0, api.limits.max_logprobs, "vLLM's: each prompt token's logprob and the top-N "
+        "prompt_logprobs": integer(0, api.limits.max_logprobs, "vLLM's: each prompt token's logprob and the top-N "
                                                                 "at its position (in the choice's prompt_logprobs)."),
-        "add_special_tokens": _flag("Let the tokenizer add its special tokens (completions: true; chat: false, the "
+        "add_special_tokens": flag("Let the tokenizer add its special tokens (completions: true; chat: false, the "
                                     "template writes them).", True),
         "request_id": {"description": "Accepted, no effect: responses carry the proxy's own id."},
         **openapi_properties(),  # response_format, structured_outputs, guided_*
@@ -127,7 +98,7 @@ def _max_tokens(api: ServedAPI, default: int | None) -> Schema:
     if limit is not None:
         highest = min(highest, limit)
         default = limit if default is None else min(default, limit)
-    return _integer(1, highest, "Tokens to generate at most; the prompt's tokens + max_tokens must fit the "
+    return integer(1, highest, "Tokens to generate at most; the prompt's tokens + max_tokens must fit the "
                                 "context (400 context_length_exceeded)." +
                     ("" if default is not None else " Absent: up to the context."), default)
 
@@ -150,8 +121,8 @@ def _completion_request(api: ServedAPI) -> Schema:
                        "anyOf": [text, {"type": "array", "items": text, "minItems": 1}, token_ids,
                                  {"type": "array", "items": token_ids, "minItems": 1}]},
             "max_tokens": _max_tokens(api, 16),
-            "logprobs": _integer(0, api.limits.max_logprobs, "Top logprobs per token (legacy format)."),
-            "echo": _flag("The prompt's text before each choice's (and its logprobs, with logprobs).", False),
+            "logprobs": integer(0, api.limits.max_logprobs, "Top logprobs per token (legacy format)."),
+            "echo": flag("The prompt's text before each choice's (and its logprobs, with logprobs).", False),
             **_sampling_properties(api),
         }),
         "example": {"model": api.served_model_name, "prompt": "Once upon a time", "max_tokens": 8,
@@ -167,13 +138,13 @@ def _chat_request(api: ServedAPI) -> Schema:
             {"properties": {"top_logprobs": {"type": "null"}}},
             {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]}},
         "properties": table_properties(Endpoint.CHAT, {
-            "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
+            "messages": {"type": "array", "items": ref("ChatMessage"), "minItems": 1},
             "max_completion_tokens": _max_tokens(api, None),
             "max_tokens": _max_tokens(api, None),
-            "logprobs": _flag("Logprobs of each generated token.", False),
-            "top_logprobs": _integer(0, api.limits.max_logprobs,
+            "logprobs": flag("Logprobs of each generated token.", False),
+            "top_logprobs": integer(0, api.limits.max_logprobs,
                                      "The most likely tokens per position (needs logprobs)."),
-            "add_generation_prompt": _flag("End the templated prompt with the assistant's turn.", True),
+            "add_generation_prompt": flag("End the templated prompt with the assistant's turn.", True),
             **chat_tool_properties(),
             **_sampling_properties(api),
         }),
@@ -232,7 +203,7 @@ def _completion_object(obj: str, choice: Schema) -> Schema:
             "properties": {"id": {"type": "string"}, "object": {"type": "string", "const": obj},
                            "created": {"type": "integer"}, "model": {"type": "string"},
                            "choices": {"type": "array", "items": choice},
-                           "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]}}}
+                           "usage": {"anyOf": [ref("Usage"), {"type": "null"}]}}}
 
 
 def _choice(required: list[str], properties: Schema) -> Schema:
@@ -276,7 +247,7 @@ def _json(schema: Schema, description: str) -> Schema:
 
 
 def _error(description: str, retry_after: bool = False) -> Schema:
-    response = _json(_ref("ErrorResponse"), description)
+    response = _json(ref("ErrorResponse"), description)
     if retry_after:
         response["headers"] = {"Retry-After": {"description": "Seconds to wait before retrying.",
                                                "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
@@ -288,14 +259,14 @@ def _event(chunk: str) -> Schema:
     return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
         {"type": "string", "const": "[DONE]", "description": "The last event."},
         {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
-            _ref(chunk), _ref("ErrorResponse")]}, "description": "A chunk, or the error that ended the stream."}]}}}
+            ref(chunk), ref("ErrorResponse")]}, "description": "A chunk, or the error that ended the stream."}]}}}
 
 
 def _generation_responses(api: ServedAPI, whole: str, chunk: str) -> dict[str, Schema]:
     return {
         "200": {"description": "The completion; with stream: true, server-sent events of chunks "
                                f"({chunk}), an error event if a node fails mid-stream, then `data: [DONE]`.",
-                "content": {"application/json": {"schema": _ref(whole)},
+                "content": {"application/json": {"schema": ref(whole)},
                             "text/event-stream": {"schema": _event(chunk)}}},
         "400": _error("A malformed request: the field at fault is in `param`."),
         **_auth_responses(api),
@@ -315,7 +286,7 @@ def _auth_responses(api: ServedAPI) -> dict[str, Schema]:
 
 def _tokenizer_responses(api: ServedAPI, answer: str, description: str) -> dict[str, Schema]:
     errors = _generation_responses(api, answer, answer)  # less what a node or the capacity answers
-    return {"200": _json(_ref(answer), description),
+    return {"200": _json(ref(answer), description),
             **{status: errors[status] for status in ("400", "401", "404", "413", "500") if status in errors}}
 
 
@@ -324,7 +295,7 @@ def _operation(api: ServedAPI, summary: str, responses: dict[str, Schema], guard
     operation: Schema = {"summary": summary, "operationId": summary.lower().replace(" ", "_"),
                          "responses": responses}
     if body is not None:
-        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(body)}}}
     if guarded and api.api_key_required:
         operation["security"] = [{"bearer": []}]
     return operation
@@ -332,7 +303,7 @@ def _operation(api: ServedAPI, summary: str, responses: dict[str, Schema], guard
 
 def openapi_schema(api: ServedAPI) -> Schema:
     """The OpenAPI 3.1 document of a proxy that serves `api`."""
-    models = _json(_ref("ModelList"), "The served model.")
+    models = _json(ref("ModelList"), "The served model.")
     sampling = _sampling_properties(api)
     document: Schema = {
         "openapi": "3.1.0",
@@ -360,18 +331,18 @@ def openapi_schema(api: ServedAPI) -> Schema:
             "/v1/models": {"get": _operation(api, "List models", {"200": models, **_auth_responses(api)}, True)},
             "/v1/models/{model}": {"get": {
                 **_operation(api, "Retrieve model", {
-                    "200": _json(_ref("Model"), "The served model."), **_auth_responses(api),
+                    "200": _json(ref("Model"), "The served model."), **_auth_responses(api),
                     "404": _error("Not the served model (code model_not_found).")}, True),
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]}},
             "/health": {"get": _operation(api, "Health", {
-                "200": _json(_ref("Health"), "A decode node is ready (status ok, or degraded without prefill)."),
-                "503": _json(_ref("Health"), "No decode node is ready (status unavailable).")}, False)},
+                "200": _json(ref("Health"), "A decode node is ready (status ok, or degraded without prefill)."),
+                "503": _json(ref("Health"), "No decode node is ready (status unavailable).")}, False)},
             "/ready": {"get": _operation(api, "Readiness", {
-                "200": _json(_ref("Probe"), "The registry answers (or nodes are listed statically): the proxy can "
+                "200": _json(ref("Probe"), "The registry answers (or nodes are listed statically): the proxy can "
                                             "serve, whatever the number of nodes (see tandem:num_nodes)."),
-                "503": _json(_ref("Probe"), "The registry does not answer.")}, False)},
+                "503": _json(ref("Probe"), "The registry does not answer.")}, False)},
             "/live": {"get": _operation(api, "Liveness", {
-                "200": _json(_ref("Probe"), "The proxy's event loop answers.")}, False)},
+                "200": _json(ref("Probe"), "The proxy's event loop answers.")}, False)},
             "/metrics": {"get": _operation(api, "Metrics", {"200": {
                 "description": "Prometheus text exposition.",
                 "content": {"text/plain": {"schema": {"type": "string"}}}},
@@ -387,7 +358,7 @@ def openapi_schema(api: ServedAPI) -> Schema:
             "ChatCompletionChunk": _completion_object("chat.completion.chunk", _CHAT_CHUNK_CHOICE),
             "Model": _MODEL, "ModelList": {"type": "object", "required": ["object", "data"],
                                            "properties": {"object": {"type": "string", "const": "list"},
-                                                          "data": {"type": "array", "items": _ref("Model")}}},
+                                                          "data": {"type": "array", "items": ref("Model")}}},
             "Health": _HEALTH, "Probe": _PROBE,
             "ResponseRequest": responses_request(api, {**{k: sampling[k] for k in ("model", "temperature", "top_p")},
                                                        "max_output_tokens": _max_tokens(api, None)}),

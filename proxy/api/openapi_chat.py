@@ -4,16 +4,8 @@ detail: refused ones with their neutral values, accepted ones as anything."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from proxy.api.fields import Endpoint, Support, fields_of
-
-Schema = dict[str, Any]
-
-
-def nullable(schema: Schema) -> Schema:
-    return {"anyOf": [schema, {"type": "null"}]}
-
+from proxy.api.openapi_parts import Schema, nullable
 
 _TEXT_PARTS: Schema = {"type": "array", "description": "Text parts only (images, audio: 400).",
                        "items": {"type": "object", "required": ["type", "text"],

@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from proxy.api.openapi_chat import chat_tool_properties
+from proxy.api.openapi_parts import Schema, flag, ref
 
 if TYPE_CHECKING:
     from proxy.api.openapi import ServedAPI
 
-Schema = dict[str, Any]
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` the Responses API takes
 RESPONSE_EVENT_TYPES = (
@@ -27,17 +27,9 @@ RESPONSE_EVENT_TYPES = (
 _NAME_PATTERN = "^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's and a json_schema's name
 
 
-def _ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
 def _or_null(kind: str, **schema: Any) -> Schema:
     """The proxy reads null as "not given" for every optional field."""
     return {"type": [kind, "null"], **schema}
-
-
-def _flag(description: str, default: bool) -> Schema:
-    return _or_null("boolean", default=default, description=description)
 
 
 # ---- /tokenize and /detokenize ----
@@ -46,12 +38,12 @@ def tokenizer_schemas(api: ServedAPI, model: Schema) -> dict[str, Schema]:
     """TokenizeRequest (a prompt or a chat), TokenizeResponse, DetokenizeRequest, DetokenizeResponse; `model`: the
     served model's schema, as the generating endpoints have it."""
     token_id = {"type": "integer", "minimum": 0, "maximum": api.vocab_size - 1}
-    return_token_strs = _flag("token_strs: each token's string (the tokenizer's convert_ids_to_tokens).", False)
+    return_token_strs = flag("token_strs: each token's string (the tokenizer's convert_ids_to_tokens).", False)
     chat = chat_tool_properties()
     prompt_form: Schema = {
         "title": "A prompt", "type": "object", "required": ["prompt"], "additionalProperties": False,
         "properties": {"model": model, "prompt": {"type": "string"},
-                       "add_special_tokens": _flag("Let the tokenizer add its special tokens (e.g. a BOS).", True),
+                       "add_special_tokens": flag("Let the tokenizer add its special tokens (e.g. a BOS).", True),
                        "return_token_strs": return_token_strs}}
     chat_form: Schema = {
         "title": "A chat", "type": "object", "required": ["messages"], "additionalProperties": False,
@@ -61,14 +53,14 @@ def tokenizer_schemas(api: ServedAPI, model: Schema) -> dict[str, Schema]:
         "not": {"required": ["continue_final_message", "add_generation_prompt"],
                 "properties": {"continue_final_message": {"const": True}, "add_generation_prompt": {"const": True}}},
         "properties": {
-            "model": model, "messages": {"type": "array", "items": _ref("ChatMessage"), "minItems": 1},
-            "add_generation_prompt": _flag("End with the assistant's turn.", True),
+            "model": model, "messages": {"type": "array", "items": ref("ChatMessage"), "minItems": 1},
+            "add_generation_prompt": flag("End with the assistant's turn.", True),
             "continue_final_message": chat["continue_final_message"],
             "tools": {**chat["tools"], "description": "Function tools (names unique), rendered as a chat's; "
                                                       "nothing is constrained (tool_choice none)."},
             "chat_template": {"type": "null", "description": "The served template only: null or absent."},
             "chat_template_kwargs": chat["chat_template_kwargs"],
-            "add_special_tokens": _flag("The tokenizer's special tokens on top of the template's.", False),
+            "add_special_tokens": flag("The tokenizer's special tokens on top of the template's.", False),
             "return_token_strs": return_token_strs}}
     return {
         "TokenizeRequest": {
@@ -176,13 +168,13 @@ def responses_request(api: ServedAPI, shared: dict[str, Schema]) -> Schema:
                             "description": "none; auto (needs --enable-auto-tool-choice, else 400); required or a "
                                            "function of tools by name: the answer is a call (text.format is checked "
                                            "and set aside)."},
-            "parallel_tool_calls": _flag("false: at most one call.", True),
+            "parallel_tool_calls": flag("false: at most one call.", True),
             "max_output_tokens": {**shared["max_output_tokens"],
                                   "description": "Tokens to generate at most; the input's tokens + these must fit "
                                                  "the context (400 context_length_exceeded). Reached: status "
                                                  "incomplete."},
             "temperature": shared["temperature"], "top_p": shared["top_p"],
-            "stream": _flag("Answer as server-sent events: the Responses API's event types, ending with the "
+            "stream": flag("Answer as server-sent events: the Responses API's event types, ending with the "
                             "response's last event (no `data: [DONE]`).", False),
             "reasoning": _or_null("object", additionalProperties=False, description="Checked, and changes nothing: "
                                   "a reasoning model's thinking comes back whole, never summarized.",
@@ -242,7 +234,7 @@ def _event(kind: str, **fields: Schema) -> Schema:
 
 
 def _response_event(kind: str, *statuses: str) -> Schema:
-    return _event(kind, response={"allOf": [_ref("Response"), {"properties": {"status": {"enum": list(statuses)}}}]})
+    return _event(kind, response={"allOf": [ref("Response"), {"properties": {"status": {"enum": list(statuses)}}}]})
 
 
 def responses_schemas() -> dict[str, Schema]:
@@ -273,8 +265,8 @@ def responses_schemas() -> dict[str, Schema]:
                 "incomplete_details": {"anyOf": [{"type": "null"}, {
                     "type": "object", "required": ["reason"],
                     "properties": {"reason": {"const": "max_output_tokens"}}}]},
-                "model": string, "output": {"type": "array", "items": _ref("ResponseOutputItem")},
-                "usage": {"anyOf": [{"type": "null"}, _ref("ResponseUsage")]},
+                "model": string, "output": {"type": "array", "items": ref("ResponseOutputItem")},
+                "usage": {"anyOf": [{"type": "null"}, ref("ResponseUsage")]},
                 "instructions": {"type": ["string", "null"]},
                 "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"]}},
                 "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, _NAMED_CHOICE]},
@@ -318,7 +310,7 @@ def responses_schemas() -> dict[str, Schema]:
                                                      "properties": {"reasoning_tokens": index}}}},
         "ResponseStreamEvent": {"anyOf": [
             _response_event("response.created", "in_progress"), _response_event("response.in_progress", "in_progress"),
-            _event("response.output_item.added", output_index=index, item=_ref("ResponseOutputItem")),
+            _event("response.output_item.added", output_index=index, item=ref("ResponseOutputItem")),
             _event("response.content_part.added", **in_part, part={"anyOf": [_OUTPUT_TEXT, _REASONING_TEXT]}),
             _event("response.output_text.delta", **in_part, delta=string, **logprobs),
             _event("response.reasoning_text.delta", **in_part, delta=string),
@@ -327,7 +319,7 @@ def responses_schemas() -> dict[str, Schema]:
             _event("response.reasoning_text.done", **in_part, text=string),
             _event("response.function_call_arguments.done", **where, arguments=string),
             _event("response.content_part.done", **in_part, part={"anyOf": [_OUTPUT_TEXT, _REASONING_TEXT]}),
-            _event("response.output_item.done", output_index=index, item=_ref("ResponseOutputItem")),
+            _event("response.output_item.done", output_index=index, item=ref("ResponseOutputItem")),
             _response_event("response.completed", "completed"), _response_event("response.incomplete", "incomplete"),
             _response_event("response.failed", "failed")],
             "description": "One event of a stream, numbered by sequence_number from 0. A stream: response.created, "
@@ -341,9 +333,9 @@ def responses_answer() -> Schema:
     return {
         "description": "The response; with stream: true, server-sent events (`event: <type>`, `data: <the event>`) "
                        "that end with response.completed, response.incomplete or response.failed: no `data: [DONE]`.",
-        "content": {"application/json": {"schema": _ref("Response")},
+        "content": {"application/json": {"schema": ref("Response")},
                     "text/event-stream": {"schema": {
                         "type": "object", "required": ["event", "data"],
                         "properties": {"event": {"enum": list(RESPONSE_EVENT_TYPES), "description": "The data's type."},
                                        "data": {"type": "string", "contentMediaType": "application/json",
-                                                "contentSchema": _ref("ResponseStreamEvent")}}}}}}
+                                                "contentSchema": ref("ResponseStreamEvent")}}}}}}

@@ -29,7 +29,6 @@ from proxy.api.choice_parser import ChoiceParser
 from proxy.api.errors import APIError
 from proxy.api.limits import RequestLimits
 from proxy.api.metrics import ProxyMetrics
-from proxy.api.parsers.base import ParsedText
 from proxy.api.request_body import DEFAULT_MAX_REQUEST_BODY_BYTES
 from proxy.api.responses import MIN_LOGPROB, ChoiceDelta, TokenLogprob, finite
 from proxy.routing.clients import NodeError
@@ -204,10 +203,10 @@ async def _run_one(state: ProxyState, request_id: str, sub: SubRequest, arrival:
 
 
 def _prompt_logprobs(output: OutputProcessor, positions: PromptLogprobs) -> list[dict[str, Any] | None]:
-    """vLLM's shape: None for the first position, then token id (as text) -> logprob, rank and decoded token."""
+    """vLLM's JSON shape: None for the first position, then token id (as text) -> logprob, rank, decoded token."""
     return [None if position is None else {
-        str(token_id): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": output.token_text(token_id)}
-        for token_id, lp in position.items()} for position in positions]
+        str(token_id): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for token_id, lp in position.items()} for position in output.with_decoded_prompt_tokens(positions)]
 
 
 def _parsed_delta(index: int, parser: ChoiceParser, text: str, num_tokens: int, logprobs: list[TokenLogprob],
@@ -216,9 +215,7 @@ def _parsed_delta(index: int, parser: ChoiceParser, text: str, num_tokens: int, 
     on its own finishes with "tool_calls", as OpenAI's do."""
     parsed = parser.feed(text)
     if finish is not None:
-        rest = parser.finish()
-        parsed = ParsedText(parsed.content + rest.content, parsed.reasoning + rest.reasoning,
-                            parsed.tool_calls + rest.tool_calls)
+        parsed = parsed + parser.finish()
         if finish == "stop" and parser.made_calls:
             finish = "tool_calls"
     return ChoiceDelta(index, parsed.content, num_tokens, logprobs, finish, num_cached_tokens, parsed.reasoning,

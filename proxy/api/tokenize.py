@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.api.errors import bad_request
-from proxy.api.openai_api import parse_chat
+from proxy.api.openai_api import flag_field, parse_chat, typed_field
 from proxy.api.prepare import check_model, prepare_parsed_chat
 from proxy.api.request_body import decode_json
 from proxy.api.serving import ProxyState
@@ -37,16 +37,16 @@ def tokenize(state: ProxyState, body: bytes) -> dict[str, Any]:
         raise bad_request("send either 'prompt' or 'messages', not both", "prompt")
     _refuse_unknown(request, _CHAT_ONLY_FIELDS if chat else _PROMPT_FIELDS, "messages" if chat else "prompt")
     # vLLM's defaults: the template writes a chat's special tokens, a plain prompt gets the tokenizer's
-    add_special_tokens = _flag(request, "add_special_tokens", not chat)
+    add_special_tokens = flag_field(request, "add_special_tokens", not chat)
     if chat:
         token_ids = _chat_token_ids(state, request, add_special_tokens)
     else:
-        check_model(state, _string(request, "model", ""))
+        check_model(state, typed_field(request, "model", (str,), ""))
         prompt = request.get("prompt")
         if not isinstance(prompt, str):
             raise bad_request("'prompt' (a string) or 'messages' (a chat) is required", "prompt")
         token_ids = list(state.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-    token_strs = list(state.tokenizer.convert_ids_to_tokens(token_ids)) if _flag(
+    token_strs = list(state.tokenizer.convert_ids_to_tokens(token_ids)) if flag_field(
         request, "return_token_strs", False) else None
     return {"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids,
             "token_strs": token_strs}
@@ -56,7 +56,7 @@ def detokenize(state: ProxyState, body: bytes) -> dict[str, Any]:
     """The /detokenize answer to `body`: the text of its token ids, each within the vocabulary (else 400)."""
     request = _object(decode_json(body))
     _refuse_unknown(request, _DETOKENIZE_FIELDS, "tokens")
-    check_model(state, _string(request, "model", ""))
+    check_model(state, typed_field(request, "model", (str,), ""))
     tokens = request.get("tokens")
     vocab = len(state.tokenizer)
     # 7.0 is an integer as JSON Schema has it; true is not
@@ -91,21 +91,3 @@ def _refuse_unknown(request: dict[str, Any], fields: tuple[str, ...], form: str)
     if unknown:
         raise bad_request(f"'{unknown[0][:64]}' is not a field of a {form} request; its fields are "
                           f"{', '.join(fields)}", unknown[0][:64], "unsupported_parameter")
-
-
-def _flag(request: dict[str, Any], key: str, default: bool) -> bool:
-    value = request.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"'{key}' must be a boolean", key)
-    return value
-
-
-def _string(request: dict[str, Any], key: str, default: str) -> str:
-    value = request.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise bad_request(f"'{key}' must be a string", key)
-    return value

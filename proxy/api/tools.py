@@ -22,6 +22,7 @@ from typing import Any
 from engine.types import StructuredOutputsParams
 from proxy.api.errors import bad_request
 from proxy.api.parsers import TOOL_PARSERS
+from proxy.api.structured_outputs import checked_json_schema
 from settings.chat import ChatSettings
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
@@ -117,9 +118,7 @@ def _tool(value: Any, index: int) -> Tool:
     parameters = function.get("parameters")
     if parameters is None:
         parameters = dict(_EMPTY_PARAMETERS)
-    # a tool's schema is checked as a response_format's is (metaschema), there: one rule for both
-    from proxy.api.structured_outputs import checked_json_schema
-
+    # a tool's schema is checked as a response_format's is (against its metaschema): one rule for both
     parameters = checked_json_schema(f"{where}.function.parameters", "tools", parameters)
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):

@@ -76,7 +76,7 @@ def narrowed(document: dict[str, Any]) -> dict[str, Any]:
         _cap(schemas[name], num_items=3, num_chars=8)
     schemas["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] = 2
     _narrow_responses(schemas["ResponseRequest"])
-    tokenize_tools = schemas["TokenizeRequest"]["oneOf"][1]["properties"]["tools"]["anyOf"][0]
+    tokenize_tools = _not_null(schemas["TokenizeRequest"]["oneOf"][1]["properties"]["tools"])
     tokenize_tools["maxItems"] = 1
     tokenize_tools["items"]["properties"]["function"]["properties"]["parameters"] = {"type": "null"}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -99,9 +99,14 @@ def narrowed(document: dict[str, Any]) -> dict[str, Any]:
     chat = schemas["ChatCompletionRequest"]["properties"]
     chat.update(tools={"enum": [None, []]}, tool_choice={"enum": [None, "none"]},
                 continue_final_message={"enum": [None, False]})
-    history_call = schemas["ChatMessage"]["properties"]["tool_calls"]["anyOf"][0]["items"]
+    history_call = _not_null(schemas["ChatMessage"]["properties"]["tool_calls"])["items"]
     history_call["properties"]["function"]["properties"]["arguments"] = {"type": ["object", "null"]}
     return doc
+
+
+def _not_null(schema: dict[str, Any]) -> dict[str, Any]:
+    """A nullable field's schema without its null (proxy/api/openapi_parts.nullable: a type list or an anyOf)."""
+    return schema["anyOf"][0] if "anyOf" in schema else schema
 
 
 def _narrow_responses(request: dict[str, Any]) -> None:

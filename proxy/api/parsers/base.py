@@ -48,6 +48,10 @@ class ParsedText:
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
 
+    def __add__(self, later: ParsedText) -> ParsedText:
+        return ParsedText(self.content + later.content, self.reasoning + later.reasoning,
+                          self.tool_calls + later.tool_calls)
+
 
 @dataclass(frozen=True)
 class ToolStructure:
@@ -110,6 +114,18 @@ class SteppedParser:
 
     def _ended(self, out: ParsedText) -> None:
         """After the last step: flush what is held."""
+
+    def _content_before(self, out: ParsedText, segments: Segments, trigger: str, final: bool) -> int | None:
+        """Releases the buffer's content before `trigger` and returns where the trigger starts; None when there is
+        none yet (then all is released but a tail that may still begin it, all of it when final)."""
+        at = self._buf.find(trigger)
+        if at < 0:
+            release = len(self._buf) - (0 if final else held_prefix(self._buf, trigger))
+            out.content += segments.add(self._buf[:release])
+            self._buf = self._buf[release:]
+            return None
+        out.content += segments.add(self._buf[:at])
+        return at
 
 
 class ReasoningParser(ABC):

@@ -70,13 +70,9 @@ class HermesToolParser(SteppedParser, ToolParser):
         return self._call_step(out, final) if self._in_call else self._content_step(out, final)
 
     def _content_step(self, out: ParsedText, final: bool) -> bool:
-        at = self._buf.find(START)
-        if at < 0:
-            release = len(self._buf) - (0 if final else held_prefix(self._buf, START))
-            out.content += self._segments.add(self._buf[:release])
-            self._buf = self._buf[release:]
+        at = self._content_before(out, self._segments, START, final)
+        if at is None:
             return False
-        out.content += self._segments.add(self._buf[:at])
         self._space_before = self._segments.call_opened()
         self._buf = self._buf[at + len(START):]
         self._in_call, self._end_from = True, 0

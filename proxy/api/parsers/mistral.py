@@ -29,7 +29,6 @@ from proxy.api.parsers.base import (
     arguments_json,
     call_from_json,
     head_name,
-    held_prefix,
     loads_json,
     starts_token,
 )
@@ -112,13 +111,9 @@ class MistralToolParser(SteppedParser, ToolParser):
         return True
 
     def _text_step(self, out: ParsedText, final: bool) -> bool:
-        at = self._buf.find(BOT)
-        if at < 0:
-            release = len(self._buf) - (0 if final else held_prefix(self._buf, BOT))
-            out.content += self._segments.add(self._buf[:release])
-            self._buf = self._buf[release:]
+        at = self._content_before(out, self._segments, BOT, final)
+        if at is None:
             return False
-        out.content += self._segments.add(self._buf[:at])
         self._pending = self._segments.call_opened()
         self._buf = self._buf[at:]
         self._pass(len(BOT))
