@@ -103,7 +103,7 @@ _INPUT_ITEM: Schema = {"anyOf": [
      "type": "object", "required": ["type", "call_id", "name", "arguments"], "additionalProperties": False,
      "properties": {"type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string"},
                     "arguments": {"type": "string", "contentMediaType": "application/json",
-                                  "contentSchema": {"type": "object"}, "pattern": r"^(\s*\{[\s\S]*\}\s*)?$",
+                                  "contentSchema": {"type": "object"}, "pattern": r"^([ \t\n\r]*\{[\s\S]*\}[ \t\n\r]*)?$",
                                   "description": "The JSON text of an object, or empty (400 otherwise)."},
                     "id": _NOT_READ, "status": _NOT_READ}},
     {"title": "A function call's output (a tool message)", "type": "object",
