@@ -280,6 +280,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # vLLM's name: how expert parallelism dispatches tokens and combines the experts' outputs (engine/layers/moe.py)
     all2all_backend: str = "allgather_reducescatter"
+    # vLLM's --kv-offloading-size, in bytes here: a host-memory tier below the KV pool that the pool's evicted
+    # prefix blocks spill to and prefix hits load back from (engine/cache/host_tier.py). 0: none.
+    kv_offloading_bytes: int = 0
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -304,6 +307,11 @@ class EngineConfig:
         check(self.max_num_seqs > 0, "max_num_seqs must be positive")
         check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks must be positive")
         check(self.max_model_len is None or self.max_model_len > 0, "max_model_len must be positive")
+        check(isinstance(self.kv_offloading_bytes, int) and self.kv_offloading_bytes >= 0,
+              f"kv_offloading_bytes must be a non-negative int, got {self.kv_offloading_bytes!r}")
+        # each rank would need its own copies of its slice of every block (engine/kv_tiers.py)
+        check(not self.kv_offloading_bytes or self.tensor_parallel_size == 1,
+              "a host KV tier (kv_offloading_size) runs with tensor_parallel_size 1 for now")
         check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
               "kv_cache_memory_bytes must be positive")
         check(isinstance(self.gpu_memory_utilization, int | float) and not isinstance(self.gpu_memory_utilization, bool)

@@ -40,6 +40,7 @@ from engine.cache.block_pool import KVEvent
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.config import EngineConfig, ModelConfig
 from engine.hashing import BlockHash
+from engine.kv_tiers import HostTierStats, KVTiers
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampled_step import SampledStep
@@ -91,6 +92,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    host_tier: HostTierStats | None = None  # None: no host tier
 
 
 class LLMEngine:
@@ -105,6 +107,9 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, self.model_config, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  cfg.hash_seed)
+        self.tiers: KVTiers | None = None
+        if cfg.kv_offloading_bytes:  # one rank only (EngineConfig checks)
+            self.tiers = KVTiers(self.kv, self.runner.kv_cache, cfg.kv_offloading_bytes)
         spec = SpeculativeConfig.parse(cfg.speculative_config)
         proposer = None if spec is None else NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                                            spec.prompt_lookup_max)
@@ -235,7 +240,10 @@ class LLMEngine:
             # request's last slot): the device orders that before the next step's writes, but not before
             # a transfer's, so wait for the step before handing blocks to one
             self._in_flight.sampled.wait()
-        return self.scheduler.reserve_remote_kv(request)
+        reserved = self.scheduler.reserve_remote_kv(request)
+        if self.tiers is not None:  # spills out of the blocks the transfer writes, loads of the host tier's hits
+            self.tiers.run_copies(wait=True)
+        return reserved
 
     def admit_remote_kv(self, request_id: str, first_token: SampledToken) -> StepOutput:
         """The reserved blocks now hold the prompt's K/V and `first_token` was sampled elsewhere: the request
@@ -271,6 +279,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        self._run_kv_copies()
         sampled = self.runner.execute(batch)
         return self.scheduler.update_from_output(batch, sampled.tokens(), sampled.prompt_logprobs())
 
@@ -281,6 +290,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if not batch.is_empty:
+            self._run_kv_copies()
             needs_output_ids = any(item.samples and (has_penalties(item.request.params)
                                                      or item.request.grammar is not None)
                                    for item in batch.scheduled)
@@ -289,6 +299,11 @@ class LLMEngine:
         outputs += self._read_in_flight()
         self._in_flight = launched
         return outputs
+
+    def _run_kv_copies(self) -> None:
+        """The host tier's spills and loads the schedule planned, on the device's stream before the step."""
+        if self.tiers is not None:
+            self.tiers.run_copies()
 
     def _read_in_flight(self) -> list[StepOutput]:
         in_flight, self._in_flight = self._in_flight, None
@@ -336,7 +351,8 @@ class LLMEngine:
             prefix_cache_hits=self.kv.num_hit_tokens, num_preemptions=scheduler.num_preemptions,
             max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
             spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
-            spec_decode_num_accepted_tokens=spec.num_accepted_tokens)
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            host_tier=None if self.tiers is None else self.tiers.stats())
 
     def enable_kv_events(self) -> None:
         """Starts recording prefix-cache changes. Off by default: offline, nobody would drain them."""

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.cache.kv_cache_manager import KVCacheManager
+from engine.cache.kv_cache_manager import NO_HIT, KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampler import SampledToken
 from engine.spec_decode.ngram import NgramProposer
@@ -70,7 +70,9 @@ class ReservedBlocks(NamedTuple):
     """Blocks reserved for a prompt whose K/V comes from elsewhere, in token order."""
 
     block_ids: list[int]
-    num_cached_blocks: int  # leading blocks already holding the prompt's K/V (this engine's prefix hits)
+    # leading blocks already holding the prompt's K/V (this engine's prefix hits; those from its host tier once the
+    # engine has run its planned copies)
+    num_cached_blocks: int
 
 
 class Scheduler:
@@ -99,15 +101,16 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.prompt_logprobs = None  # they come with the K/V, from the node that prefilled the prompt
-        cached = self.kv.find_cached_prefix(request)
-        if not self.kv.allocate(request, request.num_prompt_tokens - len(cached) * self.kv.block_size, cached):
+        hit = self.kv.find_cached_prefix(request)
+        num_hit_tokens = hit.num_blocks * self.kv.block_size
+        if not self.kv.allocate(request, request.num_prompt_tokens - num_hit_tokens, hit):
             return None
-        self.kv.record_lookup(request.num_prompt_tokens, len(cached) * self.kv.block_size)
-        request.num_prompt_cached_tokens = len(cached) * self.kv.block_size
+        self.kv.record_lookup(request.num_prompt_tokens, hit)
+        request.num_prompt_cached_tokens = num_hit_tokens
         request.num_computed_tokens = 0  # nothing counts as computed until the K/V has arrived
         self._own(request)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        return ReservedBlocks(list(request.block_ids), len(cached))
+        return ReservedBlocks(list(request.block_ids), hit.num_blocks)
 
     def admit_remote_kv(self, request_id: str, first_token: SampledToken) -> StepOutput:
         """The prompt's K/V has arrived in the reserved blocks, with the first token sampled elsewhere: the
@@ -177,15 +180,15 @@ class Scheduler:
             # a request that arrives with computed tokens (a decode node's pulled prompt) needs no lookup, and one
             # that still needs its prompt logprobs takes no hits (engine/prompt_logprobs.py)
             looked_up = request.num_computed_tokens == 0 and request.reads_prefix_cache
-            cached = self.kv.find_cached_prefix(request) if looked_up else []
-            num_computed = request.num_computed_tokens + len(cached) * self.kv.block_size
+            hit = self.kv.find_cached_prefix(request) if looked_up else NO_HIT
+            num_computed = request.num_computed_tokens + hit.num_blocks * self.kv.block_size
             num_new = min(request.num_tokens_with_pending - num_computed, budget)
-            if not self.kv.allocate(request, num_new, cached):
+            if not self.kv.allocate(request, num_new, hit):
                 break
             if looked_up:
-                self.kv.record_lookup(request.num_tokens, len(cached) * self.kv.block_size)
-            if request.status is RequestStatus.WAITING and cached:
-                request.num_prompt_cached_tokens = len(cached) * self.kv.block_size
+                self.kv.record_lookup(request.num_tokens, hit)
+            if request.status is RequestStatus.WAITING and hit.num_blocks:
+                request.num_prompt_cached_tokens = hit.num_blocks * self.kv.block_size
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -49,6 +49,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.events: list[KVEvent] | None = None  # None: nobody listens, record nothing
+        # None: nobody keeps evicted blocks; else allocate() appends (block id, hash, token ids) of each cached block
+        # it hands out again, before that block is written (the host tier copies it out first)
+        self.evicted: list[tuple[int, BlockHash, tuple[int, ...]]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -66,6 +69,8 @@ class BlockPool:
         for _ in range(num):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
+            if self.evicted is not None and block.block_hash is not None and block.token_ids is not None:
+                self.evicted.append((block_id, block.block_hash, block.token_ids))
             self._evict(block)
             block.ref_count = 1
             ids.append(block_id)

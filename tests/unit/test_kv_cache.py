@@ -60,10 +60,10 @@ def test_manager_shares_cached_prefix_blocks_between_requests() -> None:
     kv.cache_computed_blocks(first)
     second = make_request(list(range(8)) + [99, 98, 97], "b")
     hits = kv.find_cached_prefix(second)
-    assert hits == first.block_ids[:2]
+    assert hits.blocks == first.block_ids[:2] and not hits.host_slots
     assert kv.allocate(second, 3, hits)
     assert second.num_computed_tokens == 8 and second.block_ids[:2] == first.block_ids[:2]
-    assert kv.pool.blocks[hits[0]].ref_count == 2
+    assert kv.pool.blocks[hits.blocks[0]].ref_count == 2
     kv.free(first)
     kv.free(second)
     assert kv.num_free_blocks == 8
@@ -78,7 +78,7 @@ def test_manager_counts_free_cached_blocks_it_would_reuse() -> None:
     kv.free(first)
     second = make_request([1, 2, 3, 4, 7, 8, 9, 10])  # 2 cached blocks, needs 2 more: only 1 left
     hits = kv.find_cached_prefix(second)
-    assert len(hits) == 2
+    assert hits.num_blocks == 2
     assert not kv.allocate(second, 4, hits)
     assert second.block_ids == [] and kv.num_free_blocks == 3  # nothing changed
 
@@ -89,4 +89,4 @@ def test_prefix_caching_off_finds_nothing() -> None:
     assert kv.allocate(r, 5)
     r.num_computed_tokens = 5
     kv.cache_computed_blocks(r)
-    assert kv.find_cached_prefix(make_request([1, 2, 3, 4, 5])) == []
+    assert kv.find_cached_prefix(make_request([1, 2, 3, 4, 5])).num_blocks == 0
