@@ -4,6 +4,7 @@ tokens with the tier on equal transformers' (float32, greedy) where its prefix h
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.cache.host_tier import HostTier
@@ -116,9 +117,21 @@ def test_a_full_prefix_from_the_host_tier_counts_as_computed_tokens() -> None:
 # ---- the engine: tokens with the tier equal transformers' ----
 def test_prefix_hits_from_host_memory_give_transformers_tokens(tiny_model: TinyModelFactory,
                                                                async_scheduling: bool) -> None:
+    check_host_tier_hits(tiny_model, async_scheduling, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefix_hits_from_pinned_host_memory_on_a_gpu(tiny_model: TinyModelFactory) -> None:
+    """Spills and loads as asynchronous copies on the step's stream, with asynchronous scheduling on."""
+    check_host_tier_hits(tiny_model, True, "cuda")
+
+
+def check_host_tier_hits(tiny_model: TinyModelFactory, async_scheduling: bool, device: str) -> None:
     model = tiny_model("qwen2")
     # 8 blocks of 4 tokens: one 17-token prompt and its output fill 6, so each prompt evicts the one before
-    kwargs = dict(model=str(model), dtype="float32", block_size=4, num_kv_blocks=8, async_scheduling=async_scheduling)
+    kwargs = dict(model=str(model), dtype="float32", block_size=4, num_kv_blocks=8, async_scheduling=async_scheduling,
+                  device=device)
     with_tier = LLM(**kwargs, kv_offloading_bytes=64 * with_block_bytes(model))
     without = LLM(**kwargs)
     prompts = mixed_prompts(1000, lengths=(17, 17, 17), seed=5)
@@ -136,7 +149,7 @@ def test_prefix_hits_from_host_memory_give_transformers_tokens(tiny_model: TinyM
 
 
 def with_block_bytes(model: object) -> int:
-    config = EngineConfig(model=str(model), dtype="float32", block_size=4, num_kv_blocks=2)
+    config = EngineConfig(model=str(model), dtype="float32", block_size=4, num_kv_blocks=2, device="cpu")
     return LLMEngine(config).runner.kv_cache[0].numel() * 4
 
 
