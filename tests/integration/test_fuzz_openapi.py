@@ -66,8 +66,9 @@ def narrowed(document: dict[str, Any]) -> dict[str, Any]:
     add_generation_prompt false), an earlier tool call's arguments are an object (as text, they must be the JSON
     of one), and structured output keeps only its JSON object mode. /v1/responses alike:
     max_output_tokens 1..3 and always given, an earlier function call's arguments one of a few JSON texts,
-    text.format text or json_object, at most 2 text parts (instructions come on top). Chat and responses have no tools: the tiny context cannot hold their instructions (about 210
-    tokens where the template renders no tools), and tool_choice is none. /tokenize's chat has one tool at most
+    text.format text or json_object, at most 2 text parts (instructions come on top). Chat and responses have no
+    tools: the tiny context cannot hold their instructions (about 210 tokens where the template renders no tools),
+    and tool_choice is none. /tokenize's chat has one tool at most
     (names must be unique), without parameters (a schema must be valid against its metaschema)."""
     doc = copy.deepcopy(document)
     schemas = doc["components"]["schemas"]
