@@ -7,6 +7,15 @@
     tandem bench plot A.json B.json ... --output-dir DIR
 
 `--request-rate` and `--max-concurrency` take comma-separated lists: one run per combination, back to back.
+
+multi-turn-session (chat only): num_prompts / num_turns conversations, all sharing one system prompt
+(--multi-turn-system-prompt-len). A conversation is sequential: turn k+1 is sent after turn k's reply has
+streamed back and a think time has passed (--multi-turn-think-time, spread by --random-range-ratio), and its
+messages are the whole history with the server's actual replies. Conversations run side by side (at most
+--multi-turn-max-active-sessions open at once); --max-concurrency bounds the turns in flight across them, and
+--request-rate paces turn sends (Poisson gaps between sends; a turn that comes late goes at once). The results
+add the median TTFT of each turn number and the prompt tokens the server found cached (its usage's
+prompt_tokens_details.cached_tokens), so later turns' reuse of earlier ones shows.
 """
 
 from __future__ import annotations
@@ -15,13 +24,24 @@ import argparse
 import asyncio
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from tokenizers import Tokenizer
 
 from benchmark.client import RequestSettings
-from benchmark.datasets import DATASET_NAMES, DatasetConfig, SampleRequest, get_samples, load_tokenizer
+from benchmark.datasets import (
+    DATASET_NAMES,
+    SESSION_DATASETS,
+    DatasetConfig,
+    SampleRequest,
+    Session,
+    get_samples,
+    get_sessions,
+    load_tokenizer,
+)
 from benchmark.metrics import METRIC_NAMES, calculate_metrics, parse_goodput
 from benchmark.results import (
     DETAILED_KEYS,
@@ -33,11 +53,13 @@ from benchmark.results import (
     result_filename,
     save_result,
 )
-from benchmark.runner import LoadSettings, run_requests
+from benchmark.runner import LoadSettings, RunOutput, run_requests
+from benchmark.sessions import run_sessions
 
 # synthetic workloads run to their output length unless the model's EOS stops them early (vLLM does the same
 # for its random dataset)
-_SYNTHETIC = ("random", "long-prompt", "shared-prefix", "prefix_repetition", "multi-turn")
+_SYNTHETIC = ("random", "long-prompt", "shared-prefix", "prefix_repetition", "multi-turn", "multi-turn-session")
+_CHAT_ENDPOINT = "/v1/chat/completions"
 
 
 class BenchError(Exception):
@@ -67,7 +89,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--endpoint", default=None,
-                        help="/v1/completions (default) or /v1/chat/completions (default for openai-chat)")
+                        help="/v1/completions (default) or /v1/chat/completions (default for openai-chat and "
+                             "multi-turn-session)")
     server.add_argument("--backend", default="openai", choices=("openai", "openai-chat", "vllm"),
                         help="recorded in the result; openai-chat defaults --endpoint to chat")
     server.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
@@ -76,7 +99,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", default=None, help="sent as a bearer token")
     server.add_argument("--request-timeout", type=float, default=6 * 3600, help="seconds per request")
     data = p.add_argument_group("workload")
-    data.add_argument("--dataset-name", default="random", choices=(*DATASET_NAMES, "custom", "prefix_repetition"))
+    data.add_argument("--dataset-name", default="random", choices=(*DATASET_NAMES, "custom", "prefix_repetition"),
+                      help="multi-turn: every turn's history built up front with synthetic replies, requests sent "
+                           "independently; multi-turn-session: conversations sent turn by turn with the server's "
+                           "actual replies (see above)")
     data.add_argument("--dataset-path", type=Path, default=None, help="the jsonl dataset's file")
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=None,
@@ -90,7 +116,13 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                       default=256)
     data.add_argument("--prefix-repetition-num-prefixes", "--shared-prefix-num-prefixes", dest="num_prefixes",
                       type=int, default=4)
-    data.add_argument("--multi-turn-num-turns", dest="num_turns", type=int, default=4)
+    data.add_argument("--multi-turn-num-turns", dest="num_turns", type=int, default=4,
+                      help="user turns per conversation (num_prompts / num_turns conversations)")
+    data.add_argument("--multi-turn-system-prompt-len", dest="system_prompt_len", type=int, default=0,
+                      help="multi-turn-session: tokens of the system prompt all sessions share (0: none)")
+    data.add_argument("--multi-turn-think-time", dest="think_time_s", type=float, default=0.0, metavar="S",
+                      help="multi-turn-session: seconds between a reply and the session's next turn, drawn "
+                           "uniformly in [S*(1-r), S*(1+r)] from the seed (r: --random-range-ratio; 0: fixed)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--sweep-fresh-prompts", action="store_true",
                       help="in a sweep, new prompts for each run (seed + run index) so no run hits the prefix cache "
@@ -99,6 +131,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", default="inf", help="requests/s, Poisson arrivals; a list sweeps: 1,2,inf")
     load.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; <1 burstier, >1 more even")
     load.add_argument("--max-concurrency", default=None, help="requests in flight at most; a list sweeps: 1,4,16")
+    load.add_argument("--multi-turn-max-active-sessions", dest="max_active_sessions", type=int, default=None,
+                      help="multi-turn-session: sessions open at once (default: all); a session keeps its place "
+                           "through its think times, so this sets how many histories the server must keep")
     load.add_argument("--num-warmups", type=int, default=0, help="uncounted requests before each run")
     load.add_argument("--ignore-eos", action="store_true", help="(always on for the synthetic datasets)")
     load.add_argument("--temperature", type=float, default=None)
@@ -140,7 +175,12 @@ def serve_main(args: argparse.Namespace) -> int:
     concurrencies: list[int | None] = ([int(c) for c in _floats(args.max_concurrency, "--max-concurrency")]
                                        if args.max_concurrency else [None])
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
+    session_mode = args.dataset_name in SESSION_DATASETS
+    endpoint = args.endpoint or (_CHAT_ENDPOINT if args.backend == "openai-chat" or session_mode
+                                 else "/v1/completions")
+    if session_mode and not endpoint.rstrip("/").endswith(_CHAT_ENDPOINT):
+        raise BenchError(f"--dataset-name {args.dataset_name} sends chats with the server's replies in them: it "
+                         f"needs --endpoint {_CHAT_ENDPOINT} (got {endpoint})")
     model = args.model or _first_model(base_url, args.api_key)
     tokenizer_id = args.tokenizer or (model if Path(model).exists() else None)
     try:
@@ -148,16 +188,7 @@ def serve_main(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise BenchError(str(e)) from None
 
-    def workload(seed: int) -> list[SampleRequest]:
-        try:
-            return get_samples(DatasetConfig(
-                name=args.dataset_name, num_prompts=args.num_prompts, seed=seed, input_len=args.input_len,
-                output_len=args.output_len, range_ratio=args.random_range_ratio, prefix_len=args.prefix_len,
-                num_prefixes=args.num_prefixes, num_turns=args.num_turns, dataset_path=args.dataset_path), tokenizer)
-        except ValueError as e:
-            raise BenchError(str(e)) from None
-
-    samples = workload(args.seed)
+    workload = _workload(args, tokenizer, args.seed)
     extra = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k))
              if v is not None}
     settings = RequestSettings(api_url=base_url + endpoint, model=args.served_model_name or model,
@@ -168,19 +199,20 @@ def serve_main(args: argparse.Namespace) -> int:
     for rate in rates:
         for concurrency in concurrencies:
             if args.sweep_fresh_prompts and runs:
-                samples = workload(args.seed + len(runs))
-            print(f"--- request rate {rate:g}/s, max concurrency {concurrency}, {len(samples)} requests "
+                workload = _workload(args, tokenizer, args.seed + len(runs))
+            print(f"--- request rate {rate:g}/s, max concurrency {concurrency}, {workload.num_requests} requests "
                   f"({args.dataset_name}) -> {settings.api_url}", flush=True)
             load = LoadSettings(request_rate=rate, burstiness=args.burstiness, max_concurrency=concurrency,
-                                num_warmups=args.num_warmups, seed=args.seed,
-                                request_timeout_s=args.request_timeout, disable_tqdm=args.disable_tqdm)
+                                max_active_sessions=args.max_active_sessions, num_warmups=args.num_warmups,
+                                seed=args.seed, request_timeout_s=args.request_timeout,
+                                disable_tqdm=args.disable_tqdm)
             try:
-                run = asyncio.run(run_requests(samples, settings, load))
+                run = workload.run(settings, load)
             except ValueError as e:
                 raise BenchError(str(e)) from None
             metrics = calculate_metrics(run.outputs, run.duration, percentiles, goodput)
             info = RunInfo(backend=args.backend, label=args.label, model_id=model, tokenizer_id=tokenizer_id,
-                           num_prompts=len(samples), request_rate=rate, max_concurrency=concurrency,
+                           num_prompts=workload.num_requests, request_rate=rate, max_concurrency=concurrency,
                            dataset_name=args.dataset_name, endpoint=endpoint, burstiness=args.burstiness)
             result = build_result(info, metrics, run.outputs, percentile_metrics, detailed=True)
             print(format_report(result, metrics, percentile_metrics), flush=True)
@@ -200,6 +232,37 @@ def serve_main(args: argparse.Namespace) -> int:
         if args.plot:
             _plot(args, runs, f"{args.label or args.backend}-sweep.png", sweep=True)
     return 0 if all(r["completed"] for _, r in runs) else 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One run's requests: independent ones, or (multi-turn-session) sessions sent turn by turn."""
+
+    samples: list[SampleRequest]
+    sessions: list[Session]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.samples) + sum(len(s.turns) for s in self.sessions)
+
+    def run(self, settings: RequestSettings, load: LoadSettings) -> RunOutput:
+        if self.sessions:
+            return asyncio.run(run_sessions(self.sessions, settings, load))
+        return asyncio.run(run_requests(self.samples, settings, load))
+
+
+def _workload(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: int) -> Workload:
+    config = DatasetConfig(
+        name=args.dataset_name, num_prompts=args.num_prompts, seed=seed, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.random_range_ratio, prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes, num_turns=args.num_turns, system_prompt_len=args.system_prompt_len,
+        think_time_s=args.think_time_s, dataset_path=args.dataset_path)
+    try:
+        if args.dataset_name in SESSION_DATASETS:
+            return Workload(samples=[], sessions=get_sessions(config, tokenizer))
+        return Workload(samples=get_samples(config, tokenizer), sessions=[])
+    except ValueError as e:
+        raise BenchError(str(e)) from None
 
 
 def _file_name(args: argparse.Namespace, info: RunInfo, date: str, sweep: bool) -> str:

@@ -4,8 +4,10 @@ Timings (seconds, `time.perf_counter`): TTFT is from sending the request to the 
 each later chunk with text adds one inter-token latency (ITL: the gap since the previous one; a chunk may hold
 more than one token, as it does in vLLM's client); the end-to-end latency runs to the end of the stream. The
 output token count is the usage chunk's `completion_tokens` (asked for with `stream_options.include_usage`),
-or, if the server sends none, the number of chunks with text. A request succeeds when its stream ends with
-`data: [DONE]` after at least one token (if no token had any text, its TTFT is its whole latency).
+or, if the server sends none, the number of chunks with text; the whole usage record, with the prompt's
+prefix-cache hit (`usage.prompt_tokens_details.cached_tokens`), is kept as `Usage`. A request succeeds when its
+stream ends with `data: [DONE]` after at least one token (if no token had any text, its TTFT is its whole
+latency).
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ class RequestSettings:
         return self.api_url.rstrip("/").endswith(CHAT_ENDPOINTS)
 
 
+@dataclass(frozen=True)
+class Usage:
+    """The server's usage record from the stream's final usage chunk."""
+
+    prompt_tokens: int
+    completion_tokens: int | None  # None where the record lacks it (the chunks with text are counted instead)
+    cached_tokens: int | None  # prompt_tokens_details.cached_tokens; None where the server does not report it
+
+
 @dataclass
 class RequestOutput:
     """What the client saw of one request. `error` is set (and `success` False) for a failed one."""
@@ -51,6 +62,8 @@ class RequestOutput:
     generated_text: str = ""
     success: bool = False
     error: str = ""
+    usage: Usage | None = None  # None where the server sent no usage chunk
+    session_turn: int | None = None  # multi-turn-session: the turn's number in its session (1 = first)
 
 
 def request_body(settings: RequestSettings, sample: SampleRequest) -> dict[str, Any]:
@@ -83,6 +96,13 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
+def _usage(usage: dict[str, Any]) -> Usage:
+    details = usage.get("prompt_tokens_details") or {}
+    completion, cached = usage.get("completion_tokens"), details.get("cached_tokens")
+    return Usage(int(usage.get("prompt_tokens") or 0), None if completion is None else int(completion),
+                 None if cached is None else int(cached))
+
+
 async def send_request(client: httpx.AsyncClient, settings: RequestSettings, sample: SampleRequest
                        ) -> RequestOutput:
     """Send `sample`, stream the answer, and time it. Never raises for what the server does: errors are
@@ -90,7 +110,6 @@ async def send_request(client: httpx.AsyncClient, settings: RequestSettings, sam
     output = RequestOutput(prompt_len=sample.prompt_len)
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     num_text_chunks = 0
-    usage_tokens: int | None = None
     text_parts: list[str] = []
     saw_done = False
     start = time.perf_counter()
@@ -124,16 +143,16 @@ async def send_request(client: httpx.AsyncClient, settings: RequestSettings, sam
                     last = now
                     num_text_chunks += 1
                     text_parts.append(text)
-                usage = chunk.get("usage")
-                if usage:
-                    usage_tokens = usage.get("completion_tokens")
-                    output.prompt_len = int(usage.get("prompt_tokens") or output.prompt_len)
+                if usage := chunk.get("usage"):
+                    output.usage = _usage(usage)
+                    output.prompt_len = output.usage.prompt_tokens or output.prompt_len
         output.latency = time.perf_counter() - start
     except Exception as e:  # a malformed or broken answer fails this request, never the whole run
         output.error = f"{type(e).__name__}: {e}"
         return output
     output.generated_text = "".join(text_parts)
-    output.output_tokens = usage_tokens if usage_tokens is not None else num_text_chunks
+    reported = output.usage.completion_tokens if output.usage is not None else None
+    output.output_tokens = reported if reported is not None else num_text_chunks
     if not saw_done:
         output.error = "the stream ended without data: [DONE]"
     elif output.output_tokens == 0:

@@ -1,4 +1,6 @@
-"""Workloads: lists of `SampleRequest`s, reproducible from a seed.
+"""Workloads, reproducible from a seed: lists of `SampleRequest`s (requests sent independently), or, for
+multi-turn-session, lists of `Session`s (conversations whose later turns carry the server's actual replies, so
+the runner builds each turn's history as the session goes; see benchmark.sessions).
 
 Synthetic prompts are token-exact: a prompt of N tokens encodes to exactly N tokens with the benchmark's tokenizer
 (without special tokens; a server whose tokenizer adds a BOS token sees N + 1).
@@ -14,7 +16,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "long-prompt", "jsonl")
+DATASET_NAMES = ("random", "shared-prefix", "multi-turn", "multi-turn-session", "long-prompt", "jsonl")
+SESSION_DATASETS = ("multi-turn-session",)
 _ALIASES = {"custom": "jsonl", "prefix_repetition": "shared-prefix"}
 
 
@@ -51,8 +54,31 @@ class DatasetConfig:
     range_ratio: float = 0.0  # lengths drawn uniformly from [len * (1 - r), len * (1 + r)]
     prefix_len: int = 256  # shared-prefix: tokens of each group's shared system prompt
     num_prefixes: int = 4  # shared-prefix: number of groups
-    num_turns: int = 4  # multi-turn: user turns per conversation
+    num_turns: int = 4  # multi-turn, multi-turn-session: user turns per conversation
+    system_prompt_len: int = 0  # multi-turn-session: tokens of the system prompt every session shares (0: none)
+    think_time_s: float = 0.0  # multi-turn-session: mean pause between a reply and the next user turn
     dataset_path: Path | None = None  # jsonl
+
+
+@dataclass(frozen=True)
+class SessionTurn:
+    """One user turn of a session. `think_time_s` is the pause between the previous turn's reply and this turn
+    (0 for a session's first turn)."""
+
+    user_message: str
+    user_len: int  # tokens of `user_message`
+    expected_output_len: int
+    think_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Session:
+    """A conversation sent turn by turn: [system prompt], user 1, (reply 1), user 2, ... where each reply is the
+    server's answer to the turn before, known only while the session runs."""
+
+    system_prompt: str  # "" for none; the same text in every session of a workload
+    system_prompt_len: int
+    turns: tuple[SessionTurn, ...]
 
 
 class PromptSynthesizer:
@@ -122,6 +148,8 @@ def get_samples(config: DatasetConfig, tokenizer: Tokenizer | None) -> list[Samp
         return _shared_prefix(config, synth, rng)
     if name == "multi-turn":
         return _multi_turn(config, synth, rng)
+    if name in SESSION_DATASETS:
+        raise ValueError(f"the {name!r} dataset is a list of sessions (get_sessions), not of requests")
     raise ValueError(f"unknown dataset {config.name!r}; expected one of {', '.join(DATASET_NAMES)}")
 
 
@@ -183,6 +211,50 @@ def _multi_turn(config: DatasetConfig, synth: PromptSynthesizer, rng: random.Ran
         conversations.append(turns)
     ordered = [conv[turn] for turn in range(config.num_turns) for conv in conversations]
     return ordered[: config.num_prompts]
+
+
+def get_sessions(config: DatasetConfig, tokenizer: Tokenizer | None) -> list[Session]:
+    """multi-turn-session: ceil(num_prompts / num_turns) sessions of `num_turns` user turns, `num_prompts` turns
+    in all (when they don't divide, the last turn of the last sessions is left out, as multi-turn lists them).
+
+    Every session starts with the same system prompt (`system_prompt_len` tokens; none for 0). User turns have
+    the input length, replies are asked for with the output length (both spread by `range_ratio`); each turn
+    after the first waits a think time drawn uniformly from [t * (1 - r), t * (1 + r)] for t = `think_time_s`
+    and r = `range_ratio` (so fixed for r = 0), drawn here from the seed, so a run's pauses are reproducible.
+    """
+    name = _ALIASES.get(config.name, config.name)
+    if name not in SESSION_DATASETS:
+        raise ValueError(f"the {config.name!r} dataset is a list of requests (get_samples), not of sessions")
+    if tokenizer is None:
+        raise ValueError(f"the {name!r} dataset needs a tokenizer (--tokenizer)")
+    if config.num_turns <= 0:
+        raise ValueError("--multi-turn-num-turns must be positive")
+    if config.system_prompt_len < 0:
+        raise ValueError("--multi-turn-system-prompt-len must not be negative")
+    if config.think_time_s < 0:
+        raise ValueError("--multi-turn-think-time must not be negative")
+    rng = random.Random(config.seed)
+    synth = PromptSynthesizer(tokenizer, rng)
+    system_prompt = synth.text(config.system_prompt_len)
+    num_sessions = -(-config.num_prompts // config.num_turns)
+    sessions = []
+    for index in range(num_sessions):
+        # turn-major numbering (turn t of session i is request t * num_sessions + i) decides who loses a turn
+        num_turns = sum(t * num_sessions + index < config.num_prompts for t in range(config.num_turns))
+        turns = []
+        for number in range(num_turns):
+            user_len = _draw_len(config.input_len or 128, config.range_ratio, rng)
+            think_time_s = _draw_think_time(config, rng) if number > 0 else 0.0
+            turns.append(SessionTurn(synth.text(user_len), user_len, _output_len(config, rng), think_time_s))
+        sessions.append(Session(system_prompt, config.system_prompt_len, tuple(turns)))
+    return sessions
+
+
+def _draw_think_time(config: DatasetConfig, rng: random.Random) -> float:
+    if config.think_time_s <= 0 or config.range_ratio <= 0:
+        return config.think_time_s
+    return rng.uniform(config.think_time_s * max(0.0, 1 - config.range_ratio),
+                       config.think_time_s * (1 + config.range_ratio))
 
 
 def _jsonl(config: DatasetConfig, tokenizer: Tokenizer | None) -> list[SampleRequest]:

@@ -4,6 +4,10 @@ Per completed request: TTFT; TPOT = (E2EL - TTFT) / (output tokens - 1), for req
 token (goodput counts a one-token request's TPOT as 0); every inter-token latency; E2EL. Statistics are over
 completed requests only; failed ones are counted, with their errors, and add no tokens. Times in the summary are
 milliseconds; percentiles are numpy's (linear interpolation).
+
+The prompt cache: the server's `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`, summed over
+every request that reported them (failed ones included: their prefill happened), so prompt tokens computed =
+prompt tokens - cached tokens. A multi-turn-session run also gets each turn number's median TTFT.
 """
 
 from __future__ import annotations
@@ -45,6 +49,19 @@ class BenchmarkMetrics:
     max_output_tokens_per_s: float
     max_concurrent_requests: int
     distributions: dict[str, Distribution]  # METRIC_NAMES -> summary
+    total_prompt_tokens: int | None = None  # sum of usage.prompt_tokens; None when no request reported usage
+    total_cached_tokens: int | None = None  # sum of usage.prompt_tokens_details.cached_tokens; None: not reported
+    # multi-turn-session: median TTFT (ms) of the completed turns numbered 1, 2, ... (empty for other datasets);
+    # `None` for a turn number no completed request had
+    median_ttft_ms_by_turn: tuple[float | None, ...] = ()
+    median_ttft_ms_later_turns: float | None = None  # the completed turns after each session's first, pooled
+
+    @property
+    def total_computed_prompt_tokens(self) -> int | None:
+        """Prompt tokens the server prefilled rather than found in its cache."""
+        if self.total_prompt_tokens is None or self.total_cached_tokens is None:
+            return None
+        return self.total_prompt_tokens - self.total_cached_tokens
 
 
 def parse_goodput(pairs: Sequence[str]) -> dict[str, float]:
@@ -97,6 +114,9 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float, percent
         good = sum(all(per_request[name](o) * 1000 <= slo for name, slo in goodput_slos_ms.items()) for o in done)
         goodput = good / duration
     peak_tokens, peak_concurrency = _peaks(done)
+    usages = [o.usage for o in outputs if o.usage is not None]
+    cached = [u.cached_tokens for u in usages if u.cached_tokens is not None]
+    by_turn, later_turns = _ttft_by_turn(done)
     return BenchmarkMetrics(
         completed=len(done),
         failed=len(outputs) - len(done),
@@ -112,7 +132,24 @@ def calculate_metrics(outputs: Sequence[RequestOutput], duration: float, percent
         max_output_tokens_per_s=peak_tokens,
         max_concurrent_requests=peak_concurrency,
         distributions={name: distribution(values[name], percentiles) for name in METRIC_NAMES},
+        total_prompt_tokens=sum(u.prompt_tokens for u in usages) if usages else None,
+        total_cached_tokens=sum(cached) if cached else None,
+        median_ttft_ms_by_turn=by_turn,
+        median_ttft_ms_later_turns=later_turns,
     )
+
+
+def _ttft_by_turn(done: Sequence[RequestOutput]) -> tuple[tuple[float | None, ...], float | None]:
+    """Median TTFT (ms) per session turn number, and over every turn after the first; nothing outside sessions."""
+    ttfts: dict[int, list[float]] = {}
+    for o in done:
+        if o.session_turn is not None:
+            ttfts.setdefault(o.session_turn, []).append(o.ttft * 1000)
+    if not ttfts:
+        return (), None
+    by_turn = tuple(float(np.median(ttfts[n])) if n in ttfts else None for n in range(1, max(ttfts) + 1))
+    later = [t for n, values in ttfts.items() if n > 1 for t in values]
+    return by_turn, float(np.median(later)) if later else None
 
 
 def _peaks(done: Sequence[RequestOutput]) -> tuple[float, int]:

@@ -15,7 +15,8 @@ from benchmark.client import RequestOutput
 from benchmark.metrics import BenchmarkMetrics
 
 # Per-request lists that vLLM writes only with --save-detailed (they grow with the run).
-DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts")
+DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "generated_texts", "cached_tokens",
+                 "session_turns")
 _HEADERS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
             "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 
@@ -70,7 +71,15 @@ def build_result(info: RunInfo, metrics: BenchmarkMetrics, outputs: Sequence[Req
         # unlike vLLM, always kept: a failure is never dropped silently ("" for a request that completed)
         "errors": [o.error for o in outputs],
         "latencies": [o.latency for o in outputs],  # vLLM keeps these without --save-detailed too
+        # the prompt cache, from the server's usage (None where it reported none): computed = prompt - cached
+        "total_prompt_tokens": metrics.total_prompt_tokens,
+        "total_cached_tokens": metrics.total_cached_tokens,
+        "total_computed_prompt_tokens": metrics.total_computed_prompt_tokens,
     }
+    if metrics.median_ttft_ms_by_turn:  # multi-turn-session: does a later turn find its history in the cache?
+        result["median_ttft_ms_by_turn"] = list(metrics.median_ttft_ms_by_turn)  # turn 1 first
+        result["median_ttft_first_turn_ms"] = metrics.median_ttft_ms_by_turn[0]
+        result["median_ttft_later_turns_ms"] = metrics.median_ttft_ms_later_turns
     if detailed:
         result.update({
             "input_lens": [o.prompt_len for o in outputs],
@@ -79,7 +88,10 @@ def build_result(info: RunInfo, metrics: BenchmarkMetrics, outputs: Sequence[Req
             "itls": [o.itl for o in outputs],
             "start_times": [o.start_time for o in outputs],
             "generated_texts": [o.generated_text for o in outputs],
+            "cached_tokens": [o.usage.cached_tokens if o.usage else None for o in outputs],
         })
+        if metrics.median_ttft_ms_by_turn:
+            result["session_turns"] = [o.session_turn for o in outputs]
     for name in percentile_metrics:
         summary = metrics.distributions[name]
         result[f"mean_{name}_ms"] = summary.mean
@@ -114,6 +126,16 @@ def format_report(result: dict[str, Any], metrics: BenchmarkMetrics, percentile_
     row("Peak output token throughput (tok/s):", metrics.max_output_tokens_per_s)
     row("Peak concurrent requests:", metrics.max_concurrent_requests)
     row("Total token throughput (tok/s):", metrics.total_token_throughput)
+    if metrics.total_prompt_tokens is not None:
+        lines.append("{:-^50}".format(" Prompt Cache (server usage) "))
+        row("Prompt tokens:", metrics.total_prompt_tokens)
+        row("Cached prompt tokens:", _or_dash(metrics.total_cached_tokens))
+        row("Computed prompt tokens:", _or_dash(metrics.total_computed_prompt_tokens))
+    if metrics.median_ttft_ms_by_turn:
+        lines.append("{:-^50}".format(" TTFT by Session Turn "))
+        for number, median in enumerate(metrics.median_ttft_ms_by_turn, 1):
+            row(f"Median TTFT turn {number} (ms):", _or_dash(median))
+        row("Median TTFT turns 2+ (ms):", _or_dash(metrics.median_ttft_ms_later_turns))
     for name in percentile_metrics:
         summary, label = metrics.distributions[name], name.upper()
         lines.append(f"{_HEADERS[name]:-^50}")
@@ -126,6 +148,10 @@ def format_report(result: dict[str, Any], metrics: BenchmarkMetrics, percentile_
         lines += [f"  {error}" for error in metrics.errors[:10]]
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def _or_dash(value: float | None) -> float | int | str:
+    return "-" if value is None else value
 
 
 def result_filename(info: RunInfo, date: str) -> str:
@@ -155,6 +181,8 @@ COMPARE_ROWS = (
     ("max_concurrency", "max concurrency"), ("duration", "duration (s)"),
     ("request_throughput", "request throughput (req/s)"), ("request_goodput", "goodput (req/s)"),
     ("output_throughput", "output tok/s"), ("total_token_throughput", "total tok/s"),
+    ("total_prompt_tokens", "prompt tokens"), ("total_cached_tokens", "cached prompt tokens"),
+    ("total_computed_prompt_tokens", "computed prompt tokens"),
 )
 
 

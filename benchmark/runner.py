@@ -33,6 +33,7 @@ class LoadSettings:
     request_rate: float = math.inf
     burstiness: float = 1.0  # 1: Poisson; < 1 burstier, > 1 more even (gamma-distributed gaps, as vLLM's)
     max_concurrency: int | None = None
+    max_active_sessions: int | None = None  # multi-turn-session: sessions open at once (None: all of them)
     num_warmups: int = 0
     seed: int = 0
     request_timeout_s: float = 6 * 3600
@@ -98,35 +99,53 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int, burstines
     return [float(t) for t in np.cumsum(gaps)]
 
 
+def check_load(load: LoadSettings) -> None:
+    if load.max_concurrency is not None and load.max_concurrency <= 0:
+        raise ValueError("--max-concurrency must be positive")
+
+
+def http_client(load: LoadSettings) -> httpx.AsyncClient:
+    """A client with one connection per allowed request in flight (no limit without `max_concurrency`)."""
+    limit = load.max_concurrency or 0  # httpx: 0 would mean none; `None` below means no limit
+    limits = httpx.Limits(max_connections=limit or None, max_keepalive_connections=limit or None)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(load.request_timeout_s, connect=30.0))
+
+
+def concurrency_limit(load: LoadSettings) -> contextlib.AbstractAsyncContextManager[Any]:
+    """What a request holds while in flight: a semaphore of `max_concurrency` slots, or nothing."""
+    return asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else contextlib.nullcontext()
+
+
+async def warm_up(client: httpx.AsyncClient, settings: RequestSettings, sample: SampleRequest, load: LoadSettings,
+                  limit: contextlib.AbstractAsyncContextManager[Any]) -> None:
+    """`load.num_warmups` uncounted copies of `sample`, under the concurrency limit; failures are logged."""
+    if load.num_warmups <= 0:
+        return
+    logger.info("warming up with %d requests", load.num_warmups)
+
+    async def warm() -> RequestOutput:
+        async with limit:
+            return await send_request(client, settings, sample)
+
+    warm_outputs = await asyncio.gather(*(warm() for _ in range(load.num_warmups)))
+    failed = [o.error for o in warm_outputs if not o.success]
+    if failed:
+        logger.warning("%d of %d warm-up requests failed, e.g. %s", len(failed), len(warm_outputs), failed[0])
+
+
 async def run_requests(samples: Sequence[SampleRequest], settings: RequestSettings, load: LoadSettings
                        ) -> RunOutput:
     """Send every sample, on schedule, and collect what each one did (failures included)."""
     if not samples:
         raise ValueError("the workload has no requests (--num-prompts)")
-    if load.max_concurrency is not None and load.max_concurrency <= 0:
-        raise ValueError("--max-concurrency must be positive")
-    limit = load.max_concurrency or 0  # httpx: 0 would mean none; `None` below means no limit
-    limits = httpx.Limits(max_connections=limit or None, max_keepalive_connections=limit or None)
-    timeout = httpx.Timeout(load.request_timeout_s, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        semaphore: contextlib.AbstractAsyncContextManager[Any] = (
-            asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else contextlib.nullcontext())
-        if load.num_warmups > 0:
-            logger.info("warming up with %d requests", load.num_warmups)
-
-            async def warm() -> RequestOutput:
-                async with semaphore:
-                    return await send_request(client, settings, samples[0])
-
-            warm_outputs = await asyncio.gather(*(warm() for _ in range(load.num_warmups)))
-            failed = [o.error for o in warm_outputs if not o.success]
-            if failed:
-                logger.warning("%d of %d warm-up requests failed, e.g. %s", len(failed), len(warm_outputs), failed[0])
-
+    check_load(load)
+    async with http_client(load) as client:
+        limit = concurrency_limit(load)
+        await warm_up(client, settings, samples[0], load, limit)
         progress = progress_bar(len(samples), load.disable_tqdm)
 
         async def one(sample: SampleRequest) -> RequestOutput:
-            async with semaphore:
+            async with limit:
                 output = await send_request(client, settings, sample)
             progress.update(1)
             return output

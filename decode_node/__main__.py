@@ -9,7 +9,7 @@ from decode_node.clients import PrefillLeaseClient
 from decode_node.loop import DecodeLoop
 from decode_node.service import DecodeService
 from node_common.kv import mismatched_blocks, node_layout_hash, open_connector
-from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args
+from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args, store_tier
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from node_common.tls import ChannelSecurity, TLSFileError
@@ -33,15 +33,16 @@ def main() -> None:
     connector, region, _ = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
     async_engine.add_ticker(lambda _: connector.progress())
     layout_hash = node_layout_hash(engine)
+    store = store_tier(args, async_engine, layout_hash)
     loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient(prefill_security),
-                      verify=lambda block_ids, expected: mismatched_blocks(engine, block_ids, expected))
+                      verify=lambda block_ids, expected: mismatched_blocks(engine, block_ids, expected), store=store)
     service = DecodeService(loop, async_engine, name, args.model, args.kv_backend, args.max_logprobs)
     identity = NodeIdentity(name, Role.DECODE, advertised_address(args), args.model, layout_hash, args.kv_backend,
                             args.hash_seed, pod_uid=environment.pod_uid() or "")
 
     run_node(args, async_engine, identity,
              lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(service, server),
-             lambda: close_node(connector, engine))
+             lambda: close_node(connector, engine, store))
 
 
 if __name__ == "__main__":

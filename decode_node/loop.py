@@ -47,6 +47,7 @@ from engine.types import FinishReason, PositionLogprobs, PromptLogprobs, Samplin
 from kvtransfer import InvalidRequestError, KVRegion, TransferError, TransferStatus
 from kvtransfer.base import Connector, TransferHandle
 from kvtransfer.checksum import checksum_algorithm, mismatched_blocks
+from node_common.store_tier import StoreTier
 from wire import KVTicket
 
 logger = logging.getLogger(__name__)
@@ -114,10 +115,14 @@ class _LeaseCheck:
 
 class DecodeLoop:
     def __init__(self, engine: AsyncEngine, connector: Connector, region: KVRegion, layout_hash: str,
-                 leases: LeaseClient, verify: Callable[[list[int], tuple[str, ...]], list[int]] | None = None) -> None:
+                 leases: LeaseClient, verify: Callable[[list[int], tuple[str, ...]], list[int]] | None = None,
+                 store: StoreTier | None = None) -> None:
         """verify(block ids, expected checksums) -> the mismatched blocks, on the engine thread (default: the
-        checksums of `region`'s blocks; a node split over tensor-parallel ranks checks every rank's slice)."""
+        checksums of `region`'s blocks; a node split over tensor-parallel ranks checks every rank's slice).
+        With a cluster KV `store`, a finished request's prompt and answer blocks are put in it (the next turn's
+        prefill finds them there), and a colocated prompt's blocks are got from it first."""
         self.engine = engine
+        self.store = store
         self.connector = connector
         self.region = region
         self._verify_blocks = verify
@@ -178,11 +183,16 @@ class DecodeLoop:
             await self.engine.compile_structured_output(params)
         except ValueError as e:
             raise DecodeError("INVALID_ARGUMENT", str(e)) from e
+        staged = await self.store.fetch(prompt_token_ids) if self.store is not None else []
         events = self.engine.open_stream(request_id)
         try:
+            def add(e: LLMEngine) -> Request:
+                if self.store is not None:
+                    self.store.stage(e, staged)
+                return e.add_request(request_id, prompt_token_ids, params, output_token_ids=output_token_ids)
+
             try:
-                request = await self.engine.call(lambda e: e.add_request(request_id, prompt_token_ids, params,
-                                                                         output_token_ids=output_token_ids))
+                request = await self.engine.call(add)
             except ValueError as e:
                 raise DecodeError("INVALID_ARGUMENT", str(e)) from e
             first = True
@@ -209,6 +219,9 @@ class DecodeLoop:
             if isinstance(event, StreamEnd):
                 raise DecodeError("INTERNAL", str(event))
             finished = event.finished
+            if finished and self.store is not None:  # final now: the engine no longer touches the request
+                token_ids = list(request.token_ids)
+                self.store.publish(token_ids, len(token_ids) - 1)  # the last token's K/V is never computed
             yield DecodeOutput([event.token_id], [event.logprobs] if event.logprobs else [], event.finish_reason,
                                event.stop_reason, prompt_logprobs=event.prompt_logprobs)
 

@@ -89,7 +89,8 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         def stats(engine: LLMEngine) -> NodeStats:
-            return dataclasses.replace(engine_stats(engine), num_transfer_failures=self.loop.num_transfer_failures,
+            return dataclasses.replace(engine_stats(engine, self.loop.store),
+                                       num_transfer_failures=self.loop.num_transfer_failures,
                                        kv_transfer_bytes=self.loop.num_transferred_bytes,
                                        kv_transfer_count=self.loop.num_transfers,
                                        kv_transfer_seconds_sum=self.loop.transfer_seconds)

@@ -37,6 +37,7 @@ class HostTierStats:
     num_loaded: int
     num_imported: int
     num_evicted: int
+    query_tokens: int  # prompt tokens looked up here, past the pool's hits
     hit_tokens: int
     slot_bytes: int
 
@@ -70,7 +71,8 @@ class KVTiers:
             self.host_pool.sync()
 
     def num_local_blocks(self, blocks: Sequence[BlockKey]) -> int:
-        """How many leading blocks of a prefix the pool or the host tier holds."""
+        """How many leading blocks of a prefix the pool or the host tier holds. It only reads dicts, so a node may
+        ask off the engine thread (node_common/store_tier.py): the answer is then a hint, possibly stale."""
         for index, (block_hash, token_ids) in enumerate(blocks):
             if self.kv.pool.lookup(block_hash, token_ids) is None and block_hash not in self.host:
                 return index
@@ -113,4 +115,5 @@ class KVTiers:
         s = self.host.stats
         return HostTierStats(num_slots=self.host.num_slots, num_used=self.host.num_used, num_spilled=s.num_spilled,
                              num_loaded=s.num_loaded, num_imported=s.num_imported, num_evicted=s.num_evicted,
-                             hit_tokens=self.kv.num_host_hit_tokens, slot_bytes=self.block_bytes)
+                             query_tokens=self.kv.num_host_queried_tokens, hit_tokens=self.kv.num_host_hit_tokens,
+                             slot_bytes=self.block_bytes)

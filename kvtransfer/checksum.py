@@ -92,6 +92,19 @@ def kv_block_checksums(region: KVRegion, block_ids: Sequence[int], algorithm: st
     return checksums
 
 
+def block_checksum(data: bytes | memoryview, algorithm: str = DEFAULT_CHECKSUM_ALGORITHM) -> str:
+    """The checksum of one block's bytes, without a region: exactly `kv_checksum(region, [b], algorithm)` for a
+    region whose block `b` holds `data` (so `block_bytes == len(data)`). Host algorithms only (mix64 needs the
+    pool's layout); for KV blocks that travel outside a handoff, e.g. through a shared store."""
+    if algorithm == MIX64:
+        raise InvalidRequestError("block_checksum supports the host algorithms only (xxh3-128, blake2b-128)")
+    view = memoryview(data).cast("B")
+    hasher = _new_hasher(algorithm)
+    hasher.update(struct.pack("<QQ", 1, view.nbytes))
+    hasher.update(view)
+    return f"{algorithm}:{hasher.hexdigest()}"
+
+
 def mismatched_blocks(region: KVRegion, block_ids: Sequence[int], expected: Sequence[str]) -> list[int]:
     """The blocks of `block_ids` whose bytes do not match their `expected` checksum (one per block), each
     recomputed with the algorithm its checksum names (one batch per algorithm; a ticket normally has one).

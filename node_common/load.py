@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from wire import NodeCapacity, NodeLoad, NodeStats
+from wire import NodeCapacity, NodeLoad, NodeStats, TierStats
 
 if TYPE_CHECKING:
+    from engine.kv_tiers import HostTierStats
     from engine.llm_engine import EngineStats, LLMEngine
+    from node_common.store_tier import StoreTier
 
 
 def engine_capacity(engine: LLMEngine) -> NodeCapacity:
@@ -21,13 +23,21 @@ def engine_load(engine: LLMEngine) -> NodeLoad:
     return _load(engine.stats())
 
 
-def engine_stats(engine: LLMEngine) -> NodeStats:
+def engine_stats(engine: LLMEngine, store: StoreTier | None = None) -> NodeStats:
     """The Stats every node reports; each role adds its own counters (dataclasses.replace)."""
     stats = engine.stats()  # once: it walks the waiting and running requests
     return NodeStats(capacity=_capacity(stats), load=_load(stats), prefix_cache_queries=stats.prefix_cache_queries,
                      prefix_cache_hits=stats.prefix_cache_hits, spec_decode_num_drafts=stats.spec_decode_num_drafts,
                      spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
-                     spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens)
+                     spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
+                     host_tier=None if stats.host_tier is None else _host_tier(stats.host_tier),
+                     store_tier=None if store is None else store.tier_stats())
+
+
+def _host_tier(host: HostTierStats) -> TierStats:
+    return TierStats(queries=host.query_tokens, hits=host.hit_tokens, read_bytes=host.num_loaded * host.slot_bytes,
+                     write_bytes=(host.num_spilled + host.num_imported) * host.slot_bytes, used_blocks=host.num_used,
+                     total_blocks=host.num_slots)
 
 
 def _capacity(stats: EngineStats) -> NodeCapacity:

@@ -24,6 +24,7 @@ from settings.cluster import ENGINE_DEFAULTS
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.llm_engine import LLMEngine
+    from node_common.store_tier import StoreTier
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)
+        enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend,
+        kv_offloading_bytes=cluster.kv_tiers.host_tier_bytes())
 
 
 def load_engine(args: argparse.Namespace, role: str) -> AsyncEngine:
@@ -154,14 +156,27 @@ def load_engine(args: argparse.Namespace, role: str) -> AsyncEngine:
     return loaded
 
 
-def close_node(connector: Any, engine: LLMEngine) -> None:
-    """At shutdown: every rank's transfer agent, then the engine's worker ranks."""
+def store_tier(args: argparse.Namespace, engine: AsyncEngine, layout_hash: str) -> StoreTier | None:
+    """The node's door to the cluster KV store (--kv-store), None without one; a store address it cannot use ends
+    the process with the reason."""
+    from node_common.store_tier import open_store_tier
+
+    try:
+        return open_store_tier(args.cluster.kv_tiers, engine, layout_hash, args.host)
+    except ValueError as e:
+        raise SystemExit(f"cannot use the KV store: {e}") from None
+
+
+def close_node(connector: Any, engine: LLMEngine, store: StoreTier | None = None) -> None:
+    """At shutdown: every rank's transfer agent, then the engine's worker ranks, then the store's client."""
     try:
         connector.close()
     except Exception:  # noqa: BLE001 - a worker rank already gone: the engine's close below still runs
         logger.warning("closing the KV connector failed", exc_info=True)
     finally:
         engine.close()
+        if store is not None:
+            store.close()
 
 
 def node_id(args: argparse.Namespace, role: str) -> str:

@@ -8,7 +8,7 @@ import logging
 
 from engine.llm_engine import PinnedBlocks
 from node_common.kv import block_checksums, node_layout_hash, open_connector
-from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args
+from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args, store_tier
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from prefill_node.loop import PrefillLoop
@@ -41,7 +41,8 @@ def main() -> None:
                         num_tokens=pinned.num_tokens, layout_hash=layout_hash, lease_deadline=deadline,
                         block_checksums=block_checksums(engine, blocks))
 
-    loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket)
+    store = store_tier(args, async_engine, layout_hash)
+    loop = PrefillLoop(async_engine, name, args.lease_seconds, make_ticket, store)
     # the owner of registered memory must keep the transfer library progressing (docs/environment.md#ucx-and-nixl)
     # for decode nodes to read its leased blocks: every idle_wait_s while any block is leased, at rest otherwise
     async_engine.add_ticker(lambda _: connector.progress(), in_flight=lambda: loop.num_pinned > 0)
@@ -51,7 +52,7 @@ def main() -> None:
 
     run_node(args, async_engine, identity,
              lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(service, server),
-             lambda: close_node(connector, engine))
+             lambda: close_node(connector, engine, store))
 
 
 if __name__ == "__main__":

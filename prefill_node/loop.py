@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd
 from engine.llm_engine import LLMEngine, PinnedBlocks
+from engine.request import Request
 from engine.types import FinishReason, SamplingParams, StepOutput
+from node_common.store_tier import StoreTier
 from wire import KVTicket
 
 logger = logging.getLogger(__name__)
@@ -62,10 +64,12 @@ class PrefillResult:
 
 class PrefillLoop:
     def __init__(self, engine: AsyncEngine, node_id: str, lease_s: float,
-                 make_ticket: Callable[[str, PinnedBlocks, float], KVTicket]) -> None:
+                 make_ticket: Callable[[str, PinnedBlocks, float], KVTicket], store: StoreTier | None = None) -> None:
         """make_ticket(ticket_id, pinned blocks, lease deadline) runs on the engine thread and describes
-        the request's pinned blocks (ids, checksums, transfer endpoint)."""
+        the request's pinned blocks (ids, checksums, transfer endpoint). With a cluster KV `store`, a prompt's
+        blocks are got from it before the prefill and put in it after."""
         self.engine = engine
+        self.store = store
         self.node_id = node_id
         self.incarnation = secrets.randbits(62)  # a restarted node never honours an older ticket
         self.lease_s = lease_s
@@ -93,13 +97,19 @@ class PrefillLoop:
             await self.engine.compile_structured_output(params)
         except ValueError as e:
             raise PrefillError("INVALID_ARGUMENT", str(e)) from e
+        staged = await self.store.fetch(prompt_token_ids) if self.store is not None else []
         events = self.engine.open_stream(request_id)
         added = False
         try:
             try:
                 added = True  # from here the engine may hold the request, whatever happens to this RPC
-                request = await self.engine.call(
-                    lambda e: e.add_request(request_id, prompt_token_ids, first_params, pin_blocks=True))
+
+                def add(e: LLMEngine) -> Request:
+                    if self.store is not None:
+                        self.store.stage(e, staged)
+                    return e.add_request(request_id, prompt_token_ids, first_params, pin_blocks=True)
+
+                request = await self.engine.call(add)
             except ValueError as e:
                 added = False
                 raise PrefillError("INVALID_ARGUMENT", str(e)) from e
@@ -119,6 +129,8 @@ class PrefillLoop:
             raise PrefillError("INTERNAL", str(first))
 
         num_cached = request.num_prompt_cached_tokens
+        if self.store is not None:  # every prompt token is computed now (pinned, or cached once freed)
+            self.store.publish(prompt_token_ids, len(prompt_token_ids))
         finished = _finishes_request(first, params, request.num_tokens >= request.max_num_tokens)
         if finished is not None:
             await self.engine.call(lambda e: e.free_pinned(request_id))

@@ -82,7 +82,7 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         def stats(engine: LLMEngine) -> NodeStats:
-            return dataclasses.replace(engine_stats(engine), num_pinned_tickets=self.loop.num_pinned,
+            return dataclasses.replace(engine_stats(engine, self.loop.store), num_pinned_tickets=self.loop.num_pinned,
                                        num_leases_expired=self.loop.num_leases_expired)
 
         return stats_to_proto(await self.engine.call(stats))

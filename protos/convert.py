@@ -6,11 +6,12 @@ types. Torch-free: the proxy imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from engine.types import Logprob, PositionLogprobs, PromptLogprobs, SamplingParams, StructuredOutputsParams
 from protos import tandem_pb2 as pb
-from wire import InvalidTicketError, KVTicket, NodeCapacity, NodeLoad, NodeStats
+from wire import InvalidTicketError, KVTicket, NodeCapacity, NodeLoad, NodeStats, TierStats
 
 
 # ---- sampling parameters ----
@@ -144,7 +145,19 @@ def stats_to_proto(stats: NodeStats) -> pb.StatsResponse:
         kv_transfer_count=stats.kv_transfer_count, kv_transfer_seconds_sum=stats.kv_transfer_seconds_sum,
         spec_decode_num_drafts=stats.spec_decode_num_drafts,
         spec_decode_num_draft_tokens=stats.spec_decode_num_draft_tokens,
-        spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens)
+        spec_decode_num_accepted_tokens=stats.spec_decode_num_accepted_tokens,
+        host_tier=_tier_to_proto(stats.host_tier), store_tier=_tier_to_proto(stats.store_tier))
+
+
+def _tier_to_proto(tier: TierStats | None) -> pb.TierStats | None:
+    return None if tier is None else pb.TierStats(**dataclasses.asdict(tier))
+
+
+def _tier_from_proto(msg: pb.StatsResponse, name: str) -> TierStats | None:
+    if not msg.HasField(name):
+        return None
+    tier = getattr(msg, name)
+    return TierStats(**{f.name: getattr(tier, f.name) for f in dataclasses.fields(TierStats)})
 
 
 def stats_from_proto(msg: pb.StatsResponse) -> NodeStats:
@@ -160,4 +173,5 @@ def stats_from_proto(msg: pb.StatsResponse) -> NodeStats:
         kv_transfer_count=msg.kv_transfer_count, kv_transfer_seconds_sum=msg.kv_transfer_seconds_sum,
         spec_decode_num_drafts=msg.spec_decode_num_drafts,
         spec_decode_num_draft_tokens=msg.spec_decode_num_draft_tokens,
-        spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens)
+        spec_decode_num_accepted_tokens=msg.spec_decode_num_accepted_tokens,
+        host_tier=_tier_from_proto(msg, "host_tier"), store_tier=_tier_from_proto(msg, "store_tier"))

@@ -206,7 +206,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting", "num_pinned_tickets", "num_leases_expired", "num_transfer_failures", "prefix_cache_queries", "prefix_cache_hits", "max_num_seqs", "max_num_batched_tokens", "num_queued_prefill_tokens", "kv_transfer_bytes", "kv_transfer_count", "kv_transfer_seconds_sum", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    __slots__ = ("free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting", "num_pinned_tickets", "num_leases_expired", "num_transfer_failures", "prefix_cache_queries", "prefix_cache_hits", "max_num_seqs", "max_num_batched_tokens", "num_queued_prefill_tokens", "kv_transfer_bytes", "kv_transfer_count", "kv_transfer_seconds_sum", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "host_tier", "store_tier")
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,8 @@ class StatsResponse(_message.Message):
     SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
+    STORE_TIER_FIELD_NUMBER: _ClassVar[int]
     free_kv_blocks: int
     total_kv_blocks: int
     num_running: int
@@ -243,7 +245,27 @@ class StatsResponse(_message.Message):
     spec_decode_num_drafts: int
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
-    def __init__(self, free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pinned_tickets: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_count: _Optional[int] = ..., kv_transfer_seconds_sum: _Optional[float] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    host_tier: TierStats
+    store_tier: TierStats
+    def __init__(self, free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_pinned_tickets: _Optional[int] = ..., num_leases_expired: _Optional[int] = ..., num_transfer_failures: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_count: _Optional[int] = ..., kv_transfer_seconds_sum: _Optional[float] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., host_tier: _Optional[_Union[TierStats, _Mapping]] = ..., store_tier: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("queries", "hits", "read_bytes", "write_bytes", "used_blocks", "total_blocks", "errors")
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    queries: int
+    hits: int
+    read_bytes: int
+    write_bytes: int
+    used_blocks: int
+    total_blocks: int
+    errors: int
+    def __init__(self, queries: _Optional[int] = ..., hits: _Optional[int] = ..., read_bytes: _Optional[int] = ..., write_bytes: _Optional[int] = ..., used_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "ticket", "first_token", "first_logprobs", "deadline", "output_token_ids")

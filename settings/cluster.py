@@ -3,7 +3,8 @@ command line) and handed to every node (and, for prefix hashing, the proxy) as f
 
     HashingSettings    block size and prefix-hash seed: nodes and proxy must agree, or prefix routing misses
     TransportSettings  how the KV transfer library reaches peers (per backend options, never os.environ)
-    ClusterSettings    all that every node of the cluster takes: the two above, KV backend, dtype, KV cache dtype,
+    KVTierSettings     the host tier's size, the cluster KV store's address
+    ClusterSettings    all that every node of the cluster takes: the three above, KV backend, dtype, KV cache dtype,
                        drain timeout, and TLS (settings/tls.py: the nodes' servers, and their calls to other nodes)
 
 Defaults equal the offline API's (`engine.config.EngineConfig`), so a node and `LLM(...)` behave alike.
@@ -95,6 +96,44 @@ class TransportSettings:
         return {}
 
 
+KV_STORE_SCHEME = "mooncake://"
+DEFAULT_STAGING_GIB = 1.0  # the host tier a node with a KV store and no --kv-offloading-size gets
+
+
+@dataclass(frozen=True)
+class KVTierSettings:
+    """The KV tiers below each node's pool (docs/architecture.md#kv-tiers): host memory, then the cluster's store."""
+
+    kv_offloading_size: float = setting(
+        0.0, "GiB of host memory per node (pinned on a GPU) that keeps the prefix blocks its KV pool evicts, as "
+             f"vLLM's flag; 0: none (with --kv-store: {DEFAULT_STAGING_GIB:g}, where the store's blocks land)",
+        minimum=0.0, metavar="GIB")
+    kv_store: str | None = setting(
+        None, f"the cluster KV store nodes put the blocks they computed in and get prefixes from: "
+              f"{KV_STORE_SCHEME}HOST:PORT, the RPC address of a mooncake_master (tandem serve: 'mooncake' starts "
+              "one on this machine)", metavar="URL")
+    kv_store_segment_size: float = setting(
+        1.0, "GiB of each node's memory lent to the store (Mooncake Store keeps its blocks in its clients' "
+             "segments: the store holds about nodes x this)", minimum=0.0, metavar="GIB")
+
+    def __post_init__(self) -> None:
+        if self.kv_store is not None and self.kv_store != "mooncake":
+            store_address(self.kv_store)  # raises ConfigError
+
+    def host_tier_bytes(self) -> int:
+        gib = self.kv_offloading_size or (DEFAULT_STAGING_GIB if self.kv_store else 0.0)
+        return int(gib * 2**30)
+
+
+def store_address(url: str) -> str:
+    """HOST:PORT of a mooncake://HOST:PORT URL; ConfigError for anything else."""
+    address = url.removeprefix(KV_STORE_SCHEME)
+    host, _, port = address.rpartition(":")
+    if not url.startswith(KV_STORE_SCHEME) or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--kv-store: expected {KV_STORE_SCHEME}HOST:PORT, got {url!r}")
+    return address
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     hashing: HashingSettings = group(HashingSettings)
@@ -113,6 +152,7 @@ class ClusterSettings:
                                    metavar="SECONDS")
     transport: TransportSettings = group(TransportSettings)
     tls: TLSSettings = group(TLSSettings)
+    kv_tiers: KVTierSettings = group(KVTierSettings)
 
 
 # A single machine's cluster: UCX on the loopback device, and without its InfiniBand modules (with Debian's ibverbs

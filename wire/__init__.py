@@ -19,7 +19,7 @@ Protobuf conversions live at the gRPC edge, in protos/convert.py.
 from __future__ import annotations
 
 from wire.errors import RETRYABLE_KEY, InvalidTicketError
-from wire.nodes import NodeCapacity, NodeIdentity, NodeLoad, NodeStats, Role
+from wire.nodes import NodeCapacity, NodeIdentity, NodeLoad, NodeStats, Role, TierStats
 from wire.registry import (
     KV_EVENTS_STREAM,
     NODE_KEY_PATTERN,
@@ -35,6 +35,6 @@ from wire.ticket import KVTicket
 
 __all__ = [
     "KV_EVENTS_STREAM", "NODE_KEY_PATTERN", "RECORD_VERSION", "RETRYABLE_KEY", "STREAM_MAX_LEN", "InvalidTicketError",
-    "KVDelta", "KVTicket", "NodeCapacity", "NodeIdentity", "NodeLoad", "NodeRecord", "NodeStats", "Role",
+    "KVDelta", "KVTicket", "NodeCapacity", "NodeIdentity", "NodeLoad", "NodeRecord", "NodeStats", "Role", "TierStats",
     "hash_fingerprint", "kv_set_key", "node_key",
 ]

@@ -45,6 +45,19 @@ class NodeLoad:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """One KV tier below a node's pool (docs/architecture.md#kv-tiers), counted as the pool's prefix cache is."""
+
+    queries: int = 0  # prompt tokens looked up in this tier (past the tiers above it)
+    hits: int = 0  # prompt tokens found there
+    read_bytes: int = 0  # host: loaded into the pool; store: got from the store
+    write_bytes: int = 0  # host: spilled from the pool or imported; store: put in the store
+    used_blocks: int = 0  # host only: the store's occupancy is its master's
+    total_blocks: int = 0
+    errors: int = 0  # store: calls that failed (an unreachable master) or blocks that failed their checks
+
+
+@dataclass(frozen=True)
 class NodeStats:
     """A node's answer to Stats: its capacity, its load, and its counters since it started.
 
@@ -64,3 +77,5 @@ class NodeStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    host_tier: TierStats | None = None  # None: the node has no such tier
+    store_tier: TierStats | None = None

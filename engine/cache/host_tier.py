@@ -3,7 +3,7 @@
 The second tier below a rank's KV pool (docs/architecture.md#kv-tiers). A cached block the pool evicts is copied
 ("spilled") to a host slot instead of vanishing; a later prefix lookup that runs past the pool's hits continues
 here, and each hit is copied back ("loaded") into a fresh pool block before the step that reads it. Blocks that
-come from the cluster store (kvtransfer/block_store.py) land here too, put by the node before it submits a request.
+come from the cluster store (node_common/store_tier.py) land here too, put by the node before it adds a request.
 
 Torch-free: the slots' bytes are engine/host_kv_pool.py's. Invariants:
 - `_slots` maps each held hash to its slot, least recently used first; `_free` holds the other slots;

@@ -57,6 +57,7 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0  # found in the pool
+        self.num_host_queried_tokens = 0  # looked up in the host tier (past the pool's hits)
         self.num_host_hit_tokens = 0  # found in the host tier
         self.host: HostTier | None = None
         self._copies = KVCopies()
@@ -107,6 +108,8 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.num_queried_tokens += num_tokens
             self.num_hit_tokens += len(hit.blocks) * self.block_size
+            if self.host is not None:
+                self.num_host_queried_tokens += num_tokens - len(hit.blocks) * self.block_size
             self.num_host_hit_tokens += len(hit.host_slots) * self.block_size
 
     def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:

@@ -16,7 +16,10 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
   prefill_leases_expired_total, kv_transfer_failures_total, spec_decode_num_drafts_total /
   _num_draft_tokens_total / _num_accepted_tokens_total (decode nodes), node_up (0 when Stats failed) and
   node_heartbeat_age_seconds (registered nodes), num_queued_prefill_tokens, node_info{kv_backend, pod_uid} (1);
-  num_nodes{role}: how many nodes the proxy sees.
+  num_nodes{role}: how many nodes the proxy sees;
+- per node and KV tier below its pool (`tier`: host, store; docs/architecture.md#kv-tiers): kv_tier_queries_total /
+  kv_tier_hits_total (tokens, the prefix cache's shape), kv_tier_read_bytes_total / _write_bytes_total,
+  kv_tier_usage_perc (host), kv_tier_errors_total (store).
 
 Each app gets a private CollectorRegistry, so several apps (tests) can live in one process.
 """
@@ -215,6 +218,7 @@ class ClusterCollector:
                                            "proposed.", labels=labels)
         accepted_tokens = CounterMetricFamily("tandem:spec_decode_num_accepted_tokens", "Speculative draft tokens "
                                               "the target model accepted.", labels=labels)
+        tiers = _TierFamilies(labels)
         for node in self.nodes:
             values = [m, node.node_id, node.role.value]
             up.add_metric(values, 1 if node.up else 0)
@@ -232,6 +236,7 @@ class ClusterCollector:
                 continue
             queries.add_metric(values, s.prefix_cache_queries)
             hits.add_metric(values, s.prefix_cache_hits)
+            tiers.add(values, s)
             if node.role is Role.PREFILL:
                 expired.add_metric(values, s.num_leases_expired)
             else:
@@ -244,6 +249,7 @@ class ClusterCollector:
                 accepted_tokens.add_metric(values, s.spec_decode_num_accepted_tokens)
         yield from (up, info, heartbeat_age, queued, usage, waiting, running, queries, hits, expired, failures,
                     transfer_bytes, transfer_seconds, drafts, draft_tokens, accepted_tokens)
+        yield from tiers.families()
 
 
     def _attempts(self) -> Iterator[Metric]:
@@ -289,3 +295,41 @@ async def _ask_stats(directory: NodeDirectory, node: NodeView) -> NodeStats | No
     except Exception as e:  # noqa: BLE001 - any failure means "no answer"
         logger.debug("node %s did not answer Stats: %r", node.node_id, e)
         return None
+
+
+class _TierFamilies:
+    """The KV tiers below each node's pool (docs/architecture.md#kv-tiers), one series per node and tier: the
+    prefix cache's queries and hits in the same shape as the pool's (tandem:prefix_cache_*), and the bytes
+    that moved."""
+
+    def __init__(self, labels: list[str]) -> None:
+        labels = [*labels, "tier"]
+        self.queries = CounterMetricFamily("tandem:kv_tier_queries", "Prompt tokens looked up in a KV tier below "
+                                           "the pool (past the tiers above it).", labels=labels)
+        self.hits = CounterMetricFamily("tandem:kv_tier_hits", "Prompt tokens found in a KV tier below the pool.",
+                                        labels=labels)
+        self.read_bytes = CounterMetricFamily("tandem:kv_tier_read_bytes", "KV bytes read from a tier (host: "
+                                              "loaded into the pool; store: got).", labels=labels)
+        self.write_bytes = CounterMetricFamily("tandem:kv_tier_write_bytes", "KV bytes written to a tier (host: "
+                                               "spilled or imported; store: put).", labels=labels)
+        self.usage = GaugeMetricFamily("tandem:kv_tier_usage_perc", "Fraction of a node's host tier in use.",
+                                       labels=labels)
+        self.errors = CounterMetricFamily("tandem:kv_tier_errors", "KV store calls that failed and store blocks "
+                                          "that failed their checks (each a miss, recomputed).", labels=labels)
+
+    def add(self, values: list[str], stats: NodeStats) -> None:
+        for tier, counts in (("host", stats.host_tier), ("store", stats.store_tier)):
+            if counts is None:
+                continue
+            labelled = [*values, tier]
+            self.queries.add_metric(labelled, counts.queries)
+            self.hits.add_metric(labelled, counts.hits)
+            self.read_bytes.add_metric(labelled, counts.read_bytes)
+            self.write_bytes.add_metric(labelled, counts.write_bytes)
+            if counts.total_blocks:
+                self.usage.add_metric(labelled, counts.used_blocks / counts.total_blocks)
+            if tier == "store":
+                self.errors.add_metric(labelled, counts.errors)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.queries, self.hits, self.read_bytes, self.write_bytes, self.usage, self.errors)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import httpx
 
-from benchmark.client import RequestOutput, RequestSettings, request_body, send_request
+from benchmark.client import RequestOutput, RequestSettings, Usage, request_body, send_request
 from benchmark.datasets import ChatMessage, SampleRequest
 
 SAMPLE = SampleRequest(prompt="hi", prompt_len=2, expected_output_len=3)
@@ -81,3 +81,13 @@ def test_tokens_without_text_still_complete_and_no_tokens_at_all_fail() -> None:
     assert out.success and out.output_tokens == 2 and out.ttft == out.latency
     out = _send(lambda request: httpx.Response(200, content=_sse({"choices": [{"text": ""}]})))
     assert not out.success and out.error == "no tokens in the response"
+
+
+def test_the_usage_record_keeps_the_prompts_cached_tokens() -> None:
+    usage = {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 32}}
+    body = _sse({"choices": [{"delta": {"content": "x"}}]}, {"choices": [], "usage": usage})
+    out = _send(lambda request: httpx.Response(200, content=body), "/v1/chat/completions")
+    assert out.success and out.usage == Usage(40, 1, 32) and out.prompt_len == 40
+    body = _sse({"choices": [{"text": "a"}]}, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    assert _send(lambda request: httpx.Response(200, content=body)).usage == Usage(3, 1, None)
+    assert _send(lambda request: httpx.Response(200, content=_sse({"choices": [{"text": "a"}]}))).usage is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmark.client import RequestOutput
+from benchmark.client import RequestOutput, Usage
 from benchmark.metrics import calculate_metrics, parse_goodput
 
 
@@ -72,3 +72,32 @@ def test_parse_goodput_reads_pairs_and_rejects_bad_ones() -> None:
     for bad in (["ttft=200"], ["itl:5"], ["ttft:-1"], ["ttft:abc"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+
+
+def test_prompt_cache_sums_come_from_usage_and_stay_unknown_where_it_is_not_reported() -> None:
+    outputs = [RequestOutput(prompt_len=50, output_tokens=2, ttft=0.1, latency=0.2, success=True,
+                             usage=Usage(50, 2, 30)),
+               RequestOutput(prompt_len=70, output_tokens=2, ttft=0.1, latency=0.2, success=True,
+                             usage=Usage(70, 2, 64)),
+               RequestOutput(prompt_len=9, error="stream broke", usage=Usage(9, 0, 0)),  # its prefill happened
+               RequestOutput(prompt_len=5, output_tokens=1, ttft=0.1, latency=0.1, success=True)]  # no usage
+    m = calculate_metrics(outputs, duration=1.0, percentiles=[99])
+    assert (m.total_prompt_tokens, m.total_cached_tokens, m.total_computed_prompt_tokens) == (129, 94, 35)
+    m = calculate_metrics([RequestOutput(prompt_len=5, output_tokens=2, ttft=0.1, latency=0.2, success=True,
+                                         usage=Usage(5, 2, None))], duration=1.0, percentiles=[99])
+    assert (m.total_prompt_tokens, m.total_cached_tokens, m.total_computed_prompt_tokens) == (5, None, None)
+    assert calculate_metrics(outputs[3:], duration=1.0, percentiles=[99]).total_prompt_tokens is None
+
+
+def test_session_runs_get_each_turns_median_ttft_and_the_later_turns_pooled() -> None:
+    def turn(number: int, ttft: float, success: bool = True) -> RequestOutput:
+        return RequestOutput(prompt_len=1, output_tokens=1, ttft=ttft, latency=ttft, success=success,
+                             error="" if success else "x", session_turn=number)
+    # turn 1: 100, 300 -> 200; turn 2: 40 (the failed one's 900 is left out); turn 3: 20, 30 -> 25;
+    # turns 2+ pooled: [20, 30, 40] -> 30
+    outputs = [turn(1, 0.1), turn(1, 0.3), turn(2, 0.04), turn(2, 0.9, success=False), turn(3, 0.02),
+               turn(3, 0.03)]
+    m = calculate_metrics(outputs, duration=1.0, percentiles=[99])
+    assert m.median_ttft_ms_by_turn == pytest.approx((200.0, 40.0, 25.0))
+    assert m.median_ttft_ms_later_turns == pytest.approx(30.0)
+    assert calculate_metrics(_outputs(), duration=2.0, percentiles=[99]).median_ttft_ms_by_turn == ()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ def proxy_url(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFac
         yield url, model
 
 
-def _bench(url: str, model: Path, result_dir: Path, *flags: str) -> list[dict[str, object]]:
+def _bench(url: str, model: Path, result_dir: Path, *flags: str) -> list[dict[str, Any]]:
     # no --model: the benchmark asks the server's /v1/models, as vLLM's does
     code = main(["bench", "serve", "--base-url", url, "--tokenizer", str(model), "--seed", "1", "--disable-tqdm",
                  "--save-result", "--result-dir", str(result_dir), "--result-filename", "run.json", *flags])
@@ -55,3 +56,21 @@ def test_multi_turn_chat_completes(proxy_url: tuple[str, Path], tmp_path: Path) 
     assert (result["completed"], result["failed"]) == (4, 0), result["errors"]
     assert result["total_output_tokens"] == 4 * 4
     assert result["endpoint"] == "/v1/chat/completions"
+
+
+def test_multi_turn_sessions_send_the_servers_replies_back_and_report_its_cache_hits(
+        proxy_url: tuple[str, Path], tmp_path: Path) -> None:
+    url, model = proxy_url
+    (result,) = _bench(url, model, tmp_path, "--dataset-name", "multi-turn-session", "--multi-turn-num-turns", "3",
+                       "--multi-turn-system-prompt-len", "16", "--random-input-len", "8", "--random-output-len", "4",
+                       "--num-prompts", "6", "--max-concurrency", "2", "--save-detailed")
+    assert (result["completed"], result["failed"]) == (6, 0), result["errors"]
+    assert result["endpoint"] == "/v1/chat/completions"  # the dataset's default endpoint
+    assert result["total_output_tokens"] == 6 * 4
+    assert result["session_turns"] == [1, 2, 3, 1, 2, 3]
+    assert len(result["median_ttft_ms_by_turn"]) == 3
+    assert result["total_prompt_tokens"] == sum(result["input_lens"])
+    # a later turn's prompt starts with the turn before's: the prefill node's prefix cache hits it
+    assert all(cached > 0 for cached, turn in zip(result["cached_tokens"], result["session_turns"], strict=True)
+               if turn > 1), result["cached_tokens"]
+    assert result["total_computed_prompt_tokens"] == result["total_prompt_tokens"] - result["total_cached_tokens"]
