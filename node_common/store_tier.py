@@ -69,6 +69,7 @@ class StoreTier:
         self._recent_lock = threading.Lock()  # publish on the event loop, stage on the engine thread
         self._pending_put_bytes = 0
         self._errors_seen = 0
+        self._stored: list[BlockHash] = []  # put since the last drain_stored (the registrar's KV events)
         self._gets = ThreadPoolExecutor(1, thread_name_prefix="kv-store-get")
         self._puts = ThreadPoolExecutor(1, thread_name_prefix="kv-store-put")
         self._background: set[asyncio.Task[None]] = set()
@@ -158,6 +159,8 @@ class StoreTier:
         finally:
             self._pending_put_bytes -= size
         self.stats.num_put_blocks += stored
+        with self._recent_lock:
+            self._stored.extend(h for h, _ in blocks[:stored])  # put_many stores a batch's leading items
         if stored < len(items):  # the store is down or full: let a later request try these again
             self._forget(h for h, _ in blocks[stored:len(items)])
 
@@ -171,6 +174,12 @@ class StoreTier:
         with self._recent_lock:
             for block_hash in hashes:
                 self._recent.pop(block_hash, None)
+
+    def drain_stored(self) -> list[BlockHash]:
+        """The hashes of the blocks put in the store since the last call (thread-safe)."""
+        with self._recent_lock:
+            stored, self._stored = self._stored, []
+        return stored
 
     def tier_stats(self) -> TierStats:
         s, store = self.stats, self.store

@@ -131,6 +131,47 @@ def wait_for_proxy(process: Process, url: str) -> None:
     raise TimeoutError(f"proxy not healthy:\n{process.log()[-4000:]}")
 
 
+class MooncakeMaster:
+    """A real mooncake_master (the Mooncake Store's, kvtransfer/kv_store.py) on a loopback port that stays its own
+    across restarts (an empty store each time: the master keeps no state on disk)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.log_path = log_dir / f"mooncake_master-{self.port}.log"
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"mooncake://127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def start(self) -> None:
+        from kvtransfer.kv_store import master_command
+
+        with self.log_path.open("ab") as log:
+            self.popen = subprocess.Popen(master_command(self.port), stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        deadline = time.monotonic() + 15
+        while True:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            if self.popen.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"mooncake_master did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.alive:
+            assert self.popen is not None
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait()
+
+
 class RedisServer:
     """A real redis-server on a free loopback port, without persistence, stopped by its pid."""
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,11 +22,11 @@ import grpc
 import httpx
 import pytest
 
-from kvtransfer.kv_store import MooncakeKVStore, master_command, pack_block, store_key
+from kvtransfer.kv_store import MooncakeKVStore, pack_block, store_key
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
-from tests.integration.processes import Process, free_port, launch_node, start_proxy
+from tests.integration.processes import MooncakeMaster, Process, launch_node, start_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -36,60 +34,29 @@ BLOCK_SIZE = 4  # tests/integration/processes.py node_args
 NODE_FLAGS = ["--kv-offloading-size", "0.002", "--kv-store-segment-size", "0.03125"]
 
 
-class Master:
-    """A real mooncake_master on a loopback port that survives restarts."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.port = free_port()
-        self.log_path = log_dir / f"mooncake_master-{self.port}.log"
-        self.popen: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"mooncake://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self.popen = subprocess.Popen(master_command(self.port), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
-        deadline = time.monotonic() + 15
-        while not _listening(self.port):
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake_master did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait()
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
 class TierCluster:
-    def __init__(self, model: Path, master: Master, log_dir: Path) -> None:
+    def __init__(self, model: Path, master: MooncakeMaster, log_dir: Path) -> None:
         self.model, self.master = model, master
         flags = [*NODE_FLAGS, "--kv-store", master.url]
         self.prefill, self.prefill_address = launch_node("prefill", model, "nixl", log_dir, flags)
         self.decode, self.decode_address = launch_node("decode", model, "nixl", log_dir, flags)
         self.proxy: Process | None = None
+        self.colocating_proxy: Process | None = None
         try:
             for node in (self.prefill, self.decode):
                 node.wait_for_line("READY")
             self.proxy, self.url = start_proxy(model, self.prefill_address, self.decode_address, log_dir,
                                                ["--colocate-max-tokens", "0", "--block-size", str(BLOCK_SIZE)])
+            # the same nodes behind a proxy that prefills every prompt on the decode node
+            self.colocating_proxy, self.colocating_url = start_proxy(
+                model, self.prefill_address, self.decode_address, log_dir,
+                ["--colocate-max-tokens", "100000", "--block-size", str(BLOCK_SIZE)])
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        for process in (self.proxy, self.decode, self.prefill):
+        for process in (self.colocating_proxy, self.proxy, self.decode, self.prefill):
             if process is not None:
                 process.stop()
 
@@ -102,9 +69,9 @@ class TierCluster:
 
         return asyncio.run(health())
 
-    def complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        r = httpx.post(f"{self.url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                          "temperature": 0, "ignore_eos": True}, timeout=60)
+    def complete(self, prompt: list[int], max_tokens: int, url: str | None = None, **sampling: Any) -> dict[str, Any]:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **sampling}
+        r = httpx.post(f"{url or self.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         return dict(r.json())
 
@@ -127,7 +94,7 @@ class TierCluster:
 @pytest.fixture(scope="module")
 def tiers(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TierCluster]:
     log_dir = tmp_path_factory.mktemp("kv-tiers")
-    master = Master(log_dir)
+    master = MooncakeMaster(log_dir)
     try:
         cluster = TierCluster(tiny_model("llama"), master, log_dir)
         yield cluster
@@ -166,6 +133,32 @@ def test_turn_two_finds_turn_ones_answer_in_the_store(tiers: TierCluster) -> Non
     assert store_hits >= (35 // BLOCK_SIZE - 22 // BLOCK_SIZE) * BLOCK_SIZE, (store_hits, written)
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == 35 // BLOCK_SIZE * BLOCK_SIZE, body["usage"]
+
+
+def test_a_colocated_request_gets_its_prefix_from_the_store(tiers: TierCluster) -> None:
+    """The decode node prefilling a prompt itself takes the blocks a prefill node put, greedy and seeded alike."""
+    prompt = _prompt(26, seed=30)
+    written = tiers.metric("tandem:kv_tier_write_bytes_total", "prefill", "store")
+    tiers.complete(prompt, 1)  # ends at the prefill node's first token: the decode node never sees the prompt
+    tiers.wait_for_metric("tandem:kv_tier_write_bytes_total", "prefill", "store", written)
+    hits = tiers.metric("tandem:kv_tier_hits_total", "decode", "store")
+    longer = [*prompt, *_prompt(5, seed=31)]
+    expected = hf_greedy(tiers.model, [longer], 6)[0]
+    body = tiers.complete(longer, 6, url=tiers.colocating_url)
+    assert body["choices"][0]["text"] == _text(tiers.model, expected)
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 24, body["usage"]  # 6 of the 26's blocks
+    assert tiers.metric("tandem:kv_tier_hits_total", "decode", "store") - hits == 24
+
+    # seeded sampling: a prompt's blocks computed (a miss everywhere) and got from the store sample alike
+    seeded = {"temperature": 1.0, "seed": 11}
+    third = _prompt(23, seed=32)
+    written = tiers.metric("tandem:kv_tier_write_bytes_total", "decode", "store")
+    computed = tiers.complete(third, 8, url=tiers.colocating_url, **seeded)  # the decode node computes, puts
+    assert computed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    tiers.wait_for_metric("tandem:kv_tier_write_bytes_total", "decode", "store", written)
+    from_store = tiers.complete(third, 8, url=tiers.url, **seeded)  # P/D: the prefill node gets them
+    assert from_store["usage"]["prompt_tokens_details"]["cached_tokens"] == 20, from_store["usage"]
+    assert from_store["choices"][0]["text"] == computed["choices"][0]["text"]
 
 
 def test_a_corrupted_store_block_is_computed_instead(tiers: TierCluster) -> None:

@@ -39,7 +39,7 @@ import httpx
 
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
-from tests.integration.processes import ROOT, Process, RedisServer, free_port, node_args
+from tests.integration.processes import ROOT, MooncakeMaster, Process, RedisServer, free_port, node_args
 from tests.reliability.faults import FAULT_LOG_MARK, FaultPlan
 
 REQUEST_TIMEOUT_S = 15.0  # the proxy's deadline for every request
@@ -51,6 +51,9 @@ NUM_PROMPTS = 8
 MAX_TOKENS = 12  # the ordinary load's; longer streams for the scenarios that need them
 LONG_MAX_TOKENS = 96  # the longest any request asks for (the reference is computed this long)
 NODE_FLAGS = ["--num-kv-blocks", str(NUM_KV_BLOCKS), "--heartbeat-seconds", "0.5", "--registry-ttl-seconds", "2"]
+# every node has both KV tiers (docs/architecture.md#kv-tiers), so that every scenario runs with them: a small host
+# tier and the cluster's Mooncake Store (the harness's own mooncake_master), each node lending it 32 MiB
+TIER_FLAGS = ["--kv-offloading-size", "0.01", "--kv-store-segment-size", "0.03125"]
 PROXY_FLAGS = ["--block-size", "4", "--routing", "round_robin", "--colocate-max-tokens", "0",
                "--health-check-interval", "0.25", "--health-check-timeout", "1.0", "--prefill-attempt-timeout", "5",
                "--decode-first-token-timeout", "5", "--request-timeout", str(REQUEST_TIMEOUT_S)]
@@ -120,6 +123,7 @@ class Cluster:
     model: Path
     log_dir: Path
     redis: RedisServer
+    store: MooncakeMaster
     nodes: dict[str, Node]
     fault_plan: Path
     proxy_port: int
@@ -164,6 +168,8 @@ class Cluster:
         """Back to full strength: every dead process restarted, no fault planned, every node thawed, and the
         proxy seeing all four nodes ready and serving each of them."""
         FaultPlan().write(self.fault_plan)
+        if not self.store.alive:  # an empty store on the same address: the nodes reconnect by themselves
+            self.store.start()
         for node in self.nodes.values():
             if node.process is not None and node.alive:
                 with contextlib.suppress(ProcessLookupError):
@@ -208,6 +214,7 @@ class Cluster:
         for process in processes:
             process.stop()
         self.redis.stop()
+        self.store.kill()
 
     # -- what the nodes say ----------------------------------------------------------------------------------------
     def stats(self, name: str, timeout: float = 3.0) -> pb.StatsResponse | None:
@@ -271,19 +278,21 @@ def started_cluster(model: Path, log_dir: Path, oracle: Callable[[Path, list[lis
     from transformers import AutoTokenizer
 
     redis = RedisServer(log_dir)
+    store = MooncakeMaster(log_dir)
     fault_plan = log_dir / "fault-plan.json"
     FaultPlan().write(fault_plan)
     nodes = {}
     for name in NODE_NAMES:
         port = free_port()
         module = f"{name.split('-')[0]}_node"
-        args = [*node_args(model, port), *NODE_FLAGS, "--node-id", name, "--registry", redis.url]
+        args = [*node_args(model, port), *NODE_FLAGS, *TIER_FLAGS, "--kv-store", store.url, "--node-id", name,
+                "--registry", redis.url]
         if module == "prefill_node":
             args += ["--lease-seconds", str(LEASE_S)]
         if name == FAULTY_NODE:
             module, args = "tests.reliability.faulty_node", ["--fault-plan", str(fault_plan), *args]
         nodes[name] = Node(name, port, module, args)
-    cluster = Cluster(model, log_dir, redis, nodes, fault_plan, free_port(), {},
+    cluster = Cluster(model, log_dir, redis, store, nodes, fault_plan, free_port(), {},
                       AutoTokenizer.from_pretrained(str(model)))
     try:
         for node in nodes.values():  # started together: they load at the same time
