@@ -159,10 +159,13 @@ def load_engine(args: argparse.Namespace, role: str) -> AsyncEngine:
 def store_tier(args: argparse.Namespace, engine: AsyncEngine, layout_hash: str) -> StoreTier | None:
     """The node's door to the cluster KV store (--kv-store), None without one; a store address it cannot use ends
     the process with the reason."""
+    from node_common.registrar import advertised_address
     from node_common.store_tier import open_store_tier
 
+    # the address other nodes reach this node's store segment at (a bind-all --host is no such address)
+    host = advertised_address(args).rsplit(":", 1)[0].strip("[]")
     try:
-        return open_store_tier(args.cluster.kv_tiers, engine, layout_hash, args.host)
+        return open_store_tier(args.cluster.kv_tiers, engine, layout_hash, host)
     except ValueError as e:
         raise SystemExit(f"cannot use the KV store: {e}") from None
 

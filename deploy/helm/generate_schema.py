@@ -54,6 +54,8 @@ STRING_MAP: Schema = {"type": "object", "additionalProperties": {"type": "string
 QUANTITY: Schema = {"type": ["string", "integer"]}
 NUMBER_STRING: Schema = {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$"}
 PULL_POLICY = enum("Always", "IfNotPresent", "Never")
+HOST_PORT: Schema = {"type": "string", "pattern": r"^$|^[A-Za-z0-9.\-]+:[0-9]+$"}  # "" = none
+GIB: Schema = {"type": "number", "minimum": 0}
 
 PROBE = obj({"periodSeconds": integer(1), "timeoutSeconds": integer(1), "failureThreshold": integer(1)})
 RESOURCES = obj({"requests": {"type": "object", "additionalProperties": QUANTITY},
@@ -116,6 +118,15 @@ schema: Schema = {
                          "minLockedMemoryKiB": integer(0)}),
             "extraEnv": STRING_MAP,
         }, ["backend"]),
+        "kvTiers": obj({
+            "offloadingSizeGiB": GIB,
+            "store": obj({
+                "segmentSizeGiB": GIB,
+                "embedded": obj({"enabled": BOOLEAN, "port": PORT, "resources": RESOURCES, **PLACEMENT}),
+                "external": obj({"address": HOST_PORT}),
+            }, description="The cluster KV store (Mooncake Store): the chart's own mooncake_master, or an existing "
+                           "one's RPC address"),
+        }),
         "prefill": {"$ref": "#/definitions/role"},
         "decode": {"$ref": "#/definitions/role"},
         "proxy": obj({
@@ -132,8 +143,7 @@ schema: Schema = {
         }),
         "redis": obj({
             "embedded": obj({"enabled": BOOLEAN, "image": IMAGE, "resources": RESOURCES}),
-            "external": obj({"address": {"type": "string", "pattern": r"^$|^[A-Za-z0-9.\-]+:[0-9]+$"},
-                             "database": integer(0, 15)}),
+            "external": obj({"address": HOST_PORT, "database": integer(0, 15)}),
             "auth": obj({"existingSecret": STRING, "secretKey": STRING}),
         }),
         "keda": obj({"prometheusServerAddress": {"type": "string", "pattern": "^https?://"}}),

@@ -58,9 +58,9 @@ def _pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
     return workload["spec"]["template"]["spec"]
 
 
-def test_the_four_ci_examples_exist():
+def test_the_five_ci_examples_exist():
     assert {p.name for p in CI_VALUES} == {"minimal-cpu-values.yaml", "pd-rdma-values.yaml", "keda-values.yaml",
-                                          "external-redis-values.yaml"}
+                                          "external-redis-values.yaml", "kv-store-values.yaml"}
 
 
 @ci
@@ -194,8 +194,9 @@ def test_security_defaults(values_file: Path):
                    if "rdma" not in values_file.name), "no runtime class unless asked for"
 
 
-def test_network_policies_cover_every_pod():
-    rendered = render_ci(CHART / "ci" / "minimal-cpu-values.yaml")
+@ci
+def test_network_policies_cover_every_pod(values_file: Path):
+    rendered = render_ci(values_file)
     policies = rendered.of_kind("NetworkPolicy")
     pods = [w["spec"]["template"]["metadata"]["labels"] for w in [*rendered.of_kind("Deployment"),
                                                                    *rendered.of_kind("StatefulSet")]]

@@ -20,8 +20,9 @@ from tests.deploy.chart import CI_VALUES, REPO, render_ci
 
 # check -> why the chart does it anyway
 DELIBERATE = {
-    "CKV_K8S_11": "no CPU limits on serving containers: CFS throttling adds latency to every token; requests "
-                  "reserve the CPU (the init containers have limits)",
+    "CKV_K8S_11": "no CPU limits on serving containers (and the KV store's master, which every store lookup "
+                  "asks): CFS throttling adds latency to every token; requests reserve the CPU (the init "
+                  "containers have limits)",
     "CKV_K8S_15": "imagePullPolicy IfNotPresent with versioned tags: the engine image is several GB",
     "CKV_K8S_43": "images by tag: the operator pins a digest in image.*.tag if they want one",
     "CKV_K8S_35": "the Redis password as an environment variable: Kubernetes expands it into the registry URL "

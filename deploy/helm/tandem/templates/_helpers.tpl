@@ -98,6 +98,13 @@ redis://:$(REDIS_PASSWORD)@{{ include "tandem.redisAddress" . }}/{{ include "tan
       key: {{ .Values.redis.auth.secretKey }}
 {{- end -}}
 
+{{/* The cluster KV store's URL for the nodes' --kv-store: the chart's mooncake_master, an external one, or "". */}}
+{{- define "tandem.kvStoreURL" -}}
+{{- $store := .Values.kvTiers.store -}}
+{{- if $store.embedded.enabled -}}mooncake://{{ include "tandem.fullname" . }}-kv-store:{{ $store.embedded.port }}
+{{- else if $store.external.address -}}mooncake://{{ $store.external.address }}{{- end -}}
+{{- end -}}
+
 {{/* Container security: what every Tandem container gets. */}}
 {{- define "tandem.restrictedContainerSecurity" -}}
 allowPrivilegeEscalation: false

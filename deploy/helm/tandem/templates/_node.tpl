@@ -120,6 +120,15 @@ spec:
             {{- if gt (int $v.parallelism.tensor) 1 }}
             - --tensor-parallel-size={{ $v.parallelism.tensor }}
             {{- end }}
+            {{- /* flags, not the settings ConfigMap: they size the process's memory, so a change rolls the pods
+            with the resources it needs */}}
+            {{- if gt (float64 $root.Values.kvTiers.offloadingSizeGiB) 0.0 }}
+            - --kv-offloading-size={{ $root.Values.kvTiers.offloadingSizeGiB }}
+            {{- end }}
+            {{- with include "tandem.kvStoreURL" $root }}
+            - --kv-store={{ . }}
+            - --kv-store-segment-size={{ $root.Values.kvTiers.store.segmentSizeGiB }}
+            {{- end }}
             {{- range $v.extraArgs }}
             - {{ . | quote }}
             {{- end }}
