@@ -42,7 +42,7 @@ def main() -> None:
 
     run_node(args, async_engine, identity,
              lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(service, server),
-             lambda: close_node(connector, engine, store))
+             lambda: close_node(connector, engine, store), store=store)
 
 
 if __name__ == "__main__":

@@ -5,26 +5,27 @@
     values = store.get_prefix([store_key("llama-8b", h) for h in block_hashes])  # the leading hits
     data = unpack_block(values[0], token_ids, block_bytes)  # None: not the block it claims to be
 
-The client (mooncake-transfer-engine 0.3.13, `mooncake.store.MooncakeDistributedStore`, P2PHANDSHAKE, tcp)
-contributes `segment_bytes` of its memory to the pool (the values it writes usually live there; 0 for a reader
-only) and stages every value through a local buffer of `buffer_bytes`, so a batch never carries more than that
-(a bigger `put_batch` fails whole, a bigger `get_batch` drops the keys that did not fit) and one value must fit
-it. The library blocks: `setup()` against a dead master retries for about 90 s; a get, put or exist call for
-about 4 s once the master is gone. So every library call runs on one worker thread of this client and the
-caller waits at most `call_timeout_s`. Connection states (one transition function, `_set_state`):
-    CONNECTING  setup() runs on the worker (started at init, which waits for it up to call_timeout_s); calls miss
+The client (mooncake-transfer-engine 0.3.13 `MooncakeDistributedStore`, P2PHANDSHAKE, tcp) lends `segment_bytes`
+of its memory to the pool (the values it writes usually land there; 0 for a reader) and stages values through a
+local buffer of `buffer_bytes`: a batch never carries more (a bigger `put_batch` fails whole, a bigger `get_batch`
+drops the keys that did not fit), and a bigger value is never stored. The library blocks: a get, put or exist
+call about 4 s once the master is gone (30 s if it hangs), with the GIL released; `setup()` 4 s (90 s with its
+own port retries) and `close()` 1.5 s alive, 6-11 s dead, holding the GIL. So library calls run on one worker
+thread and the caller waits at most `call_timeout_s`; setup only follows a TCP connect to the master. States
+(one transition function, `_set_state`):
+    CONNECTING  setup() runs on the worker (started by __init__, which waits up to call_timeout_s); calls miss
     UP          calls reach the store
-    DOWN        breaker open: calls miss at once until `retry_after_s` passed, then the next call tries again,
-                with a new client (in the background) when the old one never set up or says it is closed
-    CLOSED      close() was called
+    DOWN        breaker open: calls miss at once for `retry_after_s`, then the next call tries again, with a new
+                client (set up in the background) when the old one never set up or says it is closed
+    CLOSED      after close()
 A call also misses at once while the worker still runs an earlier call that timed out. A client that lost its
-master reconnects by itself (about 1 s after the master is back); its segment is mounted again.
-Store errors that are not an outage (a full pool rejects a put: `NO_AVAILABLE_HANDLE`) count in `num_errors`
-but keep the breaker closed.
+master reconnects by itself about 1 s after a master is back on the address (its segment is mounted again).
+A put the pool refuses while it is reachable (full: `NO_AVAILABLE_HANDLE`) counts in `num_errors` and keeps the
+breaker closed. Counters count keys: `num_gets` asked for, `num_hits` returned, `num_puts` stored.
 
-Value layout (`pack_block`), little-endian: magic b"TKVB", u32 version (1), u32 number of tokens, u32 data
-length, u32 checksum algorithm (its index in `CHECKSUM_ALGORITHMS`: 0 xxh3-128, 1 blake2b-128), the 16-byte
-digest of `block_checksum(data)` (the KV handoff's per-block checksum), the token ids as int64, then the data.
+Value layout (`pack_block`), little-endian: magic b"TKVB", u32 version 1, u32 number of tokens, u32 data length,
+u32 checksum algorithm (its index in `CHECKSUM_ALGORITHMS`), the 16-byte digest of `block_checksum(data)` (the KV
+handoff's per-block checksum), the token ids as int64, the data.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import shutil
+import socket
 import struct
 import sys
 import threading
@@ -53,12 +55,13 @@ T = TypeVar("T")
 MAGIC, VERSION = b"TKVB", 1
 _HEADER = struct.Struct("<4sIIII16s")
 _UNREACHABLE_CODES = {-900, -901}  # RPC_FAIL, RPC_TIMEOUT: the master did not answer
-_HEALTHY, _CLOSED_CLIENT = 0, 1  # health_check(): 0 healthy, 1 not initialised or closed, 2 master unreachable
+_HEALTHY, _CLOSED_CLIENT = 0, 1  # health_check(): 0 healthy, 1 not set up or closed, 2 master unreachable
 MAX_BATCH_KEYS = 256
+_ABANDONED: list[Any] = []  # clients whose teardown would stall the process on a dead master (see close)
 
 
 def store_key(namespace: str, block_hash: bytes) -> str:
-    """The store key of a block: its chained hash (which covers the whole prefix) under a model namespace."""
+    """The key of a block: its chained hash (which covers the whole prefix) under a model's namespace."""
     return f"tandem/{namespace}/{block_hash.hex()}"
 
 
@@ -71,20 +74,19 @@ def pack_block(token_ids: Sequence[int], data: bytes) -> bytes:
 
 
 def unpack_block(value: bytes, token_ids: Sequence[int], block_bytes: int) -> bytes | None:
-    """The data of a value packed for exactly `token_ids` and `block_bytes` of KV, or None when the value is
-    not that: another magic or version, a wrong length, other token ids, a checksum that does not match."""
+    """The data of a value packed for exactly `token_ids` and `block_bytes` of KV; None for another magic or
+    version, a wrong length, other token ids or a checksum that does not match."""
     if len(value) < _HEADER.size:
         return None
     magic, version, num_tokens, data_bytes, algorithm_index, digest = _HEADER.unpack_from(value)
-    ids_bytes = 8 * num_tokens
     if (magic, version) != (MAGIC, VERSION) or num_tokens != len(token_ids) or data_bytes != block_bytes:
         return None
-    if len(value) != _HEADER.size + ids_bytes + data_bytes or algorithm_index >= len(CHECKSUM_ALGORITHMS):
+    data_offset = _HEADER.size + 8 * num_tokens
+    if len(value) != data_offset + data_bytes or algorithm_index >= len(CHECKSUM_ALGORITHMS):
         return None
     if list(struct.unpack_from(f"<{num_tokens}q", value, _HEADER.size)) != list(token_ids):
         return None
-    data = value[_HEADER.size + ids_bytes:]
-    algorithm = CHECKSUM_ALGORITHMS[algorithm_index]
+    data, algorithm = value[data_offset:], CHECKSUM_ALGORITHMS[algorithm_index]
     try:
         checksum = block_checksum(data, algorithm) if algorithm != MIX64 else ""
     except InvalidRequestError:  # an algorithm this node cannot compute (xxh3-128 without xxhash)
@@ -94,14 +96,13 @@ def unpack_block(value: bytes, token_ids: Sequence[int], block_bytes: int) -> by
 
 def master_command(port: int, host: str = "127.0.0.1", *, client_ttl_s: int = 3, kv_lease_ttl_ms: int = 1000,
                    metrics_port: int = 0) -> list[str]:
-    """The argv of a `mooncake_master` for Tandem, serving clients on `host:port`:
-    - `--rpc_address`, `--metrics_host`: listen on `host` only (the default is every interface);
-    - `--metrics_port` 0: a free port for the admin/metrics server (its default 9003 collides between masters);
-    - `--client_ttl` 3 s (default 10): a dead client's segment, and the values in it, leave the pool after
-      3 s without its heartbeat (one a second), so readers stop trying its address (each such get costs 0.5 s);
-    - `--default_kv_lease_ttl` 1 s (default 10 s): a value just written or read is not evictable for this long;
-      a full pool frees space (eviction is on: above 90% used it drops 5%) sooner. A batch takes milliseconds;
-    - `--enable_metric_reporting=false`: no metrics summary in the log every few seconds."""
+    """The argv of a `mooncake_master` serving Tandem's clients on `host:port`. `--rpc_address`/`--metrics_host`:
+    listen on `host` only (default: every interface). `--metrics_port=0`: any free port for its admin server (the
+    default 9003 collides between masters). `--client_ttl` 3 s (default 10): a dead client's segment and values
+    leave the pool 3 s after its last heartbeat (one a second), so readers stop trying it (0.5 s a get).
+    `--default_kv_lease_ttl` 1 s (default 10 s): how long a value just read stays unevictable, so a full pool
+    frees space sooner (eviction is on by default: above 90% used it drops 5%); a batch takes milliseconds.
+    `--enable_metric_reporting=false`: no metrics summary in its log every few seconds."""
     binary = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
     return [binary, f"--rpc_port={port}", f"--rpc_address={host}", f"--metrics_host={host}",
             f"--metrics_port={metrics_port}", f"--client_ttl={client_ttl_s}",
@@ -116,7 +117,7 @@ class StoreState(Enum):
 
 
 class _Unreachable(Exception):
-    """The master did not answer; carries what the job got done before."""
+    """The master did not answer; `partial` is what the job got done before."""
 
     def __init__(self, reason: str, partial: Any) -> None:
         super().__init__(reason)
@@ -124,8 +125,8 @@ class _Unreachable(Exception):
 
 
 class _Worker:
-    """One daemon thread that runs the library's calls in order (a daemon: a call stuck in the library must not
-    hold up the process's exit)."""
+    """One daemon thread running the library's calls in order (a call stuck in the library must not hold up
+    the process's exit, as a ThreadPoolExecutor's thread would)."""
 
     def __init__(self) -> None:
         self._jobs: SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = SimpleQueue()
@@ -141,31 +142,26 @@ class _Worker:
 
     def _loop(self) -> None:
         while (item := self._jobs.get()) is not None:
-            job, future = item
             try:
-                future.set_result(job())
+                item[1].set_result(item[0]())
             except BaseException as e:  # noqa: B036 - handed to the caller through the future
-                future.set_exception(e)
+                item[1].set_exception(e)
 
 
 class MooncakeKVStore:
-    """Put and get KV blocks by key in a Mooncake Store; a dead or missing master makes misses, never errors.
-    Connects at init in the background (see the module docstring); thread-safe."""
+    """KV blocks by key in a Mooncake Store; an unreachable master makes misses, never errors. Thread-safe."""
 
     def __init__(self, master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: int, buffer_bytes: int,
                  retry_after_s: float = 5.0, call_timeout_s: float = 2.0) -> None:
         if segment_bytes < 0 or buffer_bytes <= 0 or retry_after_s < 0 or call_timeout_s <= 0:
-            raise InvalidRequestError("segment_bytes must be >= 0, buffer_bytes and call_timeout_s > 0, "
-                                      "retry_after_s >= 0")
+            raise InvalidRequestError("need segment_bytes >= 0, buffer_bytes > 0, retry_after_s >= 0 and "
+                                      "call_timeout_s > 0")
         self.master, self.local_hostname = master, local_hostname
         self.segment_bytes, self.buffer_bytes = segment_bytes, buffer_bytes
         self.retry_after_s, self.call_timeout_s = retry_after_s, call_timeout_s
         self.num_gets = self.num_hits = self.num_puts = self.num_errors = self.bytes_read = self.bytes_written = 0
-        self._lock = threading.Lock()
-        self._worker = _Worker()
-        self._client: Any = None
-        self._state, self._retry_at, self._in_outage = StoreState.CONNECTING, 0.0, False
-        self._largest_value = 0
+        self._lock, self._worker, self._client = threading.Lock(), _Worker(), None
+        self._state, self._retry_at, self._in_outage, self._largest_value = StoreState.CONNECTING, 0.0, False, 0
         self._busy: Future[Any] = self._worker.submit(self._setup)
         try:
             self._busy.result(timeout=call_timeout_s)
@@ -178,47 +174,48 @@ class MooncakeKVStore:
 
     def get_prefix(self, keys: Sequence[str]) -> list[bytes]:
         """The values of the leading keys that are present, up to the first miss."""
-        keys = list(keys)
-        miss: list[bytes] = []
+        keys, miss = list(keys), list[bytes]()
         values = self._call(lambda client: self._get_prefix_job(client, keys), miss) if keys else miss
         with self._lock:
-            self.num_gets += len(keys)
-            self.num_hits += len(values)
+            self.num_gets, self.num_hits = self.num_gets + len(keys), self.num_hits + len(values)
             self.bytes_read += sum(len(value) for value in values)
         return values
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
-        """Stores each (key, value); returns how many keys are stored (a key already present counts, its value
-        stays). A value larger than `buffer_bytes` is not stored."""
-        unique = {key: value for key, value in reversed(items) if len(value) <= self.buffer_bytes}
-        batch = [(key, unique[key]) for key in dict.fromkeys(key for key, _ in items) if key in unique]
+        """Stores each (key, value); returns how many keys are stored (a key already present counts and keeps its
+        value). A value larger than `buffer_bytes` is not stored; a repeated key keeps its first value."""
+        first: dict[str, bytes] = {}
+        for key, value in items:
+            first.setdefault(key, value)
+        batch = [(key, value) for key, value in first.items() if len(value) <= self.buffer_bytes]
         stored, stored_bytes = self._call(lambda client: self._put_job(client, batch), (0, 0)) if batch else (0, 0)
         with self._lock:
-            self.num_puts += stored
-            self.bytes_written += stored_bytes
+            self.num_puts, self.bytes_written = self.num_puts + stored, self.bytes_written + stored_bytes
         return stored
 
     def close(self) -> None:
-        """Leaves the pool (the values in this client's segment go with it); waits at most call_timeout_s."""
+        """Leaves the pool (the values in this client's segment go with it)."""
         with self._lock:
             if self._state is StoreState.CLOSED:
                 return
             self._state, client, self._client = StoreState.CLOSED, self._client, None
-        if client is not None:
+        if client is not None and self._busy.done() and client.health_check() == _HEALTHY:
             try:
                 self._worker.submit(client.close).result(timeout=self.call_timeout_s)
             except Exception as e:  # noqa: BLE001 - closing must not fail the caller
                 logger.debug("closing the Mooncake store client: %r", e)
+        elif client is not None:
+            _ABANDONED.append(client)
         self._worker.stop()
 
     def _call(self, job: Callable[[Any], T], miss: T) -> T:
-        """Runs `job(client)` on the worker within call_timeout_s; `miss` while the breaker is open."""
+        """`job(client)` on the worker, waited for at most call_timeout_s; `miss` unless the breaker lets it run."""
         with self._lock:
             if self._state is StoreState.CLOSED or not self._busy.done():
                 return miss
             if self._state is StoreState.DOWN and time.monotonic() < self._retry_at:
                 return miss
-            if self._client is None:  # never set up, or given up: a new client, off the caller's path
+            if self._client is None:  # never set up, or closed under us: a new one, off the caller's path
                 self._set_state(StoreState.CONNECTING)
                 self._busy = self._worker.submit(self._setup)
                 return miss
@@ -240,8 +237,8 @@ class MooncakeKVStore:
         return result
 
     def _checked(self, client: Any, job: Callable[[Any], T]) -> T:
-        """The job between two health checks (a flag the library's heartbeat keeps: no round trip). A get from a
-        master that went away returns empty values, not an error: the second check tells."""
+        """The job between two health checks (a flag the library's heartbeat keeps: no round trip); the second
+        one because a get from a master that went away returns empty values, not an error."""
         self._check_health(client, None)
         result = job(client)
         self._check_health(client, result)
@@ -251,23 +248,32 @@ class MooncakeKVStore:
         health = client.health_check()
         if health == _CLOSED_CLIENT:
             with self._lock:
-                if self._client is client:
-                    self._client = None  # the next try after retry_after_s sets up a new one
+                self._client = None if self._client is client else self._client
         if health != _HEALTHY:
             raise _Unreachable(f"health check {health}", partial)
 
     def _setup(self) -> None:
+        """Only once the master accepts a connection (setup holds the GIL), with our own port (one attempt)."""
         from mooncake.store import MooncakeDistributedStore
 
+        host, _, port = self.master.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=min(1.0, self.call_timeout_s)).close()
+            with socket.socket() as probe:  # a free port for the client's endpoint
+                probe.bind((self.local_hostname, 0))
+                local_port = probe.getsockname()[1]
+        except (OSError, ValueError) as e:
+            self._failed(f"no connection: {e}")
+            return
         client = MooncakeDistributedStore()
-        rc = client.setup(self.local_hostname, "P2PHANDSHAKE", self.segment_bytes, self.buffer_bytes, "tcp", "",
-                          self.master)
+        rc = client.setup(f"{self.local_hostname}:{local_port}", "P2PHANDSHAKE", self.segment_bytes,
+                          self.buffer_bytes, "tcp", "", self.master)
         with self._lock:
             if rc == 0 and self._state is not StoreState.CLOSED:
                 self._client = client
                 self._set_state(StoreState.UP)
                 return
-        client.close()
+        _ABANDONED.append(client)  # its teardown could stall the process; setup failures are rare after the probe
         if rc != 0:
             self._failed(f"setup returned {rc}")
 
@@ -280,7 +286,7 @@ class MooncakeKVStore:
             self._set_state(StoreState.DOWN)
 
     def _set_state(self, state: StoreState) -> None:
-        """The one transition function (called with the lock held)."""
+        """The one transition function (called with the lock held); logs the end of an outage."""
         if self._state is StoreState.CLOSED:
             return
         if state is StoreState.DOWN:
@@ -294,45 +300,38 @@ class MooncakeKVStore:
         values: list[bytes] = []
         start = 0
         while start < len(keys):
-            chunk = keys[start:start + self._batch_keys()]
-            got = client.get_batch(chunk)
-            run = list(itertools.takewhile(bool, got[:len(chunk)]))
+            batch_keys = max(1, min(MAX_BATCH_KEYS, self.buffer_bytes // max(1, self._largest_value)))
+            chunk = keys[start:start + batch_keys]
+            run = list(itertools.takewhile(bool, client.get_batch(chunk)[:len(chunk)]))
             values += run
             self._largest_value = max([self._largest_value, *map(len, run)])
             if len(run) == len(chunk):
                 start += len(chunk)
-                continue
-            # a miss behind hits may be the local buffer running out (the library drops such keys): ask again
-            if not run or sum(map(len, run)) + 2 * self._largest_value <= self.buffer_bytes:
+            elif run and sum(map(len, run)) + 2 * self._largest_value > self.buffer_bytes:
+                start += len(run)  # the miss may be the local buffer running out (the library drops those keys)
+            else:
                 break
-            start += len(run)
         return values
 
     def _put_job(self, client: Any, items: list[tuple[str, bytes]]) -> tuple[int, int]:
-        """(keys stored, their bytes), one put_batch per batch of values that fit the local buffer together."""
+        """(keys stored, their bytes): one put_batch per run of values that fit the local buffer together."""
         stored = stored_bytes = start = 0
         while start < len(items):
             end, total = start, 0
             while end < len(items) and end - start < MAX_BATCH_KEYS and total + len(items[end][1]) <= self.buffer_bytes:
-                total += len(items[end][1])
-                end += 1
+                total, end = total + len(items[end][1]), end + 1
             keys, values = [key for key, _ in items[start:end]], [value for _, value in items[start:end]]
             self._largest_value = max([self._largest_value, *map(len, values)])
             rc = client.put_batch(keys, values)
             if rc in _UNREACHABLE_CODES:
                 raise _Unreachable(f"put_batch returned {rc}", (stored, stored_bytes))
-            present = [1] * len(keys)
-            if rc != 0:  # not an outage (a full pool, say): some keys may be stored; the pool tells which
+            present = client.batch_is_exist(keys) if rc != 0 else [1] * len(keys)  # refused: the pool tells which
+            stored += sum(code == 1 for code in present)
+            stored_bytes += sum(len(value) for value, code in zip(values, present, strict=False) if code == 1)
+            if rc != 0:  # reachable but refused (a full pool): no outage, and the rest would fail too
                 with self._lock:
                     self.num_errors += 1
                 logger.debug("Mooncake put_batch of %d keys returned %d", len(keys), rc)
-                present = client.batch_is_exist(keys)
-            stored += sum(code == 1 for code in present)
-            stored_bytes += sum(len(value) for value, code in zip(values, present, strict=False) if code == 1)
-            if rc != 0:
-                break  # a full pool stays full for this call
+                break
             start = end
         return stored, stored_bytes
-
-    def _batch_keys(self) -> int:
-        return max(1, min(MAX_BATCH_KEYS, self.buffer_bytes // max(1, self._largest_value)))

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 from engine.async_engine import AsyncEngine
 from node_common.health import NodeHealth
 from node_common.metrics import serve_node_metrics
-from node_common.registrar import registration
+from node_common.registrar import StorePuts, registration
 from node_common.tls import TLSFileError, server_credentials
 from wire import NodeIdentity, Role
 
@@ -226,8 +226,10 @@ SERVICE_NAMES = {Role.PREFILL: "tandem.v1.PrefillService", Role.DECODE: "tandem.
 
 
 def run_node(args: Any, engine: AsyncEngine, identity: NodeIdentity,
-             add_services: Callable[[grpc.aio.Server], None], on_stop: Callable[[], None]) -> None:
-    """Serves a node until SIGTERM/SIGINT, registered in the cluster registry when `--registry` is given.
+             add_services: Callable[[grpc.aio.Server], None], on_stop: Callable[[], None],
+             store: StorePuts | None = None) -> None:
+    """Serves a node until SIGTERM/SIGINT, registered in the cluster registry when `--registry` is given (with
+    `store`, the node's store tier, whose puts the registry learns).
 
     `on_stop` closes the KV transfer agent; the caller has registered the KV pool with it before this call (the
     node's metadata exists), so the agent counts as up until `on_stop` runs (node_common/health.py)."""
@@ -244,7 +246,7 @@ def run_node(args: Any, engine: AsyncEngine, identity: NodeIdentity,
         on_stop()
 
     async def run() -> None:
-        async with registration(args, engine, identity) as registrar:
+        async with registration(args, engine, identity, store) as registrar:
             if getattr(args, "metrics_port", None):
                 incarnation = registrar.identity.incarnation if registrar is not None else identity.incarnation
                 serve_node_metrics(args.host, args.metrics_port, identity, incarnation)

@@ -69,7 +69,8 @@ class StoreTier:
         self._recent_lock = threading.Lock()  # publish on the event loop, stage on the engine thread
         self._pending_put_bytes = 0
         self._errors_seen = 0
-        self._stored: list[BlockHash] = []  # put since the last drain_stored (the registrar's KV events)
+        # put since the last drain_stored (the registrar's KV events); None until something drains them
+        self._stored: list[BlockHash] | None = None
         self._gets = ThreadPoolExecutor(1, thread_name_prefix="kv-store-get")
         self._puts = ThreadPoolExecutor(1, thread_name_prefix="kv-store-put")
         self._background: set[asyncio.Task[None]] = set()
@@ -160,7 +161,8 @@ class StoreTier:
             self._pending_put_bytes -= size
         self.stats.num_put_blocks += stored
         with self._recent_lock:
-            self._stored.extend(h for h, _ in blocks[:stored])  # put_many stores a batch's leading items
+            if self._stored is not None:  # put_many stores a batch's leading items
+                self._stored.extend(h for h, _ in blocks[:stored])
         if stored < len(items):  # the store is down or full: let a later request try these again
             self._forget(h for h, _ in blocks[stored:len(items)])
 
@@ -178,7 +180,7 @@ class StoreTier:
     def drain_stored(self) -> list[BlockHash]:
         """The hashes of the blocks put in the store since the last call (thread-safe)."""
         with self._recent_lock:
-            stored, self._stored = self._stored, []
+            stored, self._stored = self._stored or [], []
         return stored
 
     def tier_stats(self) -> TierStats:

@@ -22,8 +22,11 @@ one. A node that fails the checks, or that a call finds unreachable, is lost (pr
 flight there are abandoned and retried elsewhere (proxy.routing.attempts) rather than left to wait for it.
 
 KV events: one task reads the cluster's stream from where it left off and applies each node's delta to the
-index. A node first seen, restarted (seq 0) or with a gap in its seq gets its set reloaded; a lock keeps a
-delta from being applied while a reload awaits Redis (the snapshot would overwrite it).
+index, in the delta's tier: a node's device and host tiers are its own; its store deltas go to the store of its KV
+layout, stamped with the entry's time. A node first seen, restarted (seq 0) or with a gap in its seq gets its
+sets reloaded, and the store set of its layout with them (the entries it missed may have added to it; a store
+set only adds, so reading it again is harmless); a lock keeps a delta from being applied while a reload awaits
+Redis (the snapshot would overwrite it).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from node_common.tls import PLAINTEXT, ChannelSecurity
 from proxy.routing.clients import DecodeClient, NodeClient, NodeHealth, PrefillClient
 from proxy.routing.dead_nodes import DeadNodes
 from proxy.routing.liveness import Liveness, check_failure
-from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing.prefix_index import NODE_TIERS, PrefixIndex
 from wire import (
     KV_EVENTS_STREAM,
     NODE_KEY_PATTERN,
@@ -58,6 +61,7 @@ from wire import (
     hash_fingerprint,
     kv_set_key,
 )
+from wire.registry import Tier, store_set_key
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +283,11 @@ class NodeDirectory:
                             f", pod {record.pod_uid}" if record.pod_uid else "")
         if joined:
             await self._rewind_if_stream_reset()
+            layouts_loaded: set[str] = set()  # a layout's store set once, however many of its nodes joined
             for node_id in joined:
-                await self._reload_kv(node_id)
+                layout_hash = self._registered[node_id].layout_hash
+                await self._reload_kv(node_id, with_store=layout_hash not in layouts_loaded)
+                layouts_loaded.add(layout_hash)
 
     def _state_of(self, record: NodeRecord) -> NodeView:
         prefix_aware = (record.capacity.block_size == self.block_size
@@ -326,35 +333,52 @@ class NodeDirectory:
                     self._stream_id = entry_id
                     try:
                         delta = KVDelta.from_fields(fields)
-                        await self._apply(delta)
+                        await self._apply(delta, entry_id)
                     except ValueError as e:
                         self._warn_once(f"entry:{entry_id}", f"ignoring KV event {entry_id}: {e}")
 
-    async def _apply(self, delta: KVDelta) -> None:
+    async def _apply(self, delta: KVDelta, entry_id: str = "0-0") -> None:
+        """Applies one node's delta; `entry_id` (its stream id) dates a store delta's puts."""
         state = self._registered.get(delta.node_id)
         if state is None or not state.prefix_aware:
             return  # not seen in the registry yet: its whole set is loaded when it is
         expected = self._kv_seq.get(delta.node_id)
         if delta.seq == 0 or (expected is not None and delta.seq != expected + 1):
-            await self._reload_kv(delta.node_id)  # the set reflects this entry already
+            await self._reload_kv(delta.node_id)  # the sets reflect this entry already
             self._kv_seq[delta.node_id] = delta.seq
             return
         stored, removed = _from_hex(delta.stored), _from_hex(delta.removed)
         async with self._kv_lock:
-            self.index.store(delta.node_id, stored)
-            self.index.remove(delta.node_id, removed)
+            if delta.tier is Tier.STORE:
+                put_at = _stream_id_key(entry_id)[0] / 1000  # Redis's clock when the node published the puts
+                self.index.add_store_blocks(state.layout_hash, ((h, put_at) for h in stored))
+            else:
+                self.index.store(delta.node_id, stored, delta.tier)
+                self.index.remove(delta.node_id, removed, delta.tier)
             self._kv_seq[delta.node_id] = delta.seq
 
-    async def _reload_kv(self, node_id: str) -> None:
+    async def _reload_kv(self, node_id: str, with_store: bool = True) -> None:
+        """Loads a node's sets, and (`with_store`) the store set of its layout."""
         assert self._redis is not None
         async with self._kv_lock:
             state = self._registered.get(node_id)
             if state is None or not state.prefix_aware:
                 return
-            members: Any = await self._redis.smembers(kv_set_key(node_id))
-            if node_id in self._registered:  # it may have left while we waited
-                self.index.replace(node_id, _from_hex(members))
-                self._kv_seq[node_id] = None
+            async with self._redis.pipeline(transaction=True) as pipe:  # one snapshot of every set
+                for tier in NODE_TIERS:
+                    pipe.smembers(kv_set_key(node_id, tier))
+                if with_store:  # expired entries included: the index drops them
+                    pipe.zrange(store_set_key(state.layout_hash), 0, -1, withscores=True)
+                replies: list[Any] = await pipe.execute()
+            if node_id not in self._registered:  # it may have left while we waited
+                return
+            for tier, members in zip(NODE_TIERS, replies, strict=False):
+                self.index.replace(node_id, _from_hex(members), tier)
+            if with_store:
+                puts = replies[len(NODE_TIERS)]
+                self.index.add_store_blocks(state.layout_hash, zip(_from_hex(h for h, _ in puts),
+                                                                   (float(t) for _, t in puts), strict=True))
+            self._kv_seq[node_id] = None
 
     # ---- health checks ----
     async def _health_loop(self) -> None:

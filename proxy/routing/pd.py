@@ -357,6 +357,12 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
                              "in turn, always disaggregated")
     parser.add_argument("--colocate-max-tokens", type=int, default=RouterConfig.colocate_max_tokens,
                         help="uncached prompt tokens an idle decode node prefills itself (0: always disaggregate)")
+    parser.add_argument("--kv-host-hit-cost", type=float, default=RouterConfig.host_hit_cost, metavar="F",
+                        help="a prefix hit in a node's host KV tier costs this fraction of computing its tokens "
+                             "(it is copied back into the pool; 0 to 1)")
+    parser.add_argument("--kv-store-hit-cost", type=float, default=RouterConfig.store_hit_cost, metavar="F",
+                        help="a prefix hit in the cluster KV store costs this fraction of computing its tokens "
+                             "(a network get, a host write and a copy; 0 to 1)")
     parser.add_argument("--max-retries", type=int, default=2,
                         help="failed or abandoned attempts retried per request, on other nodes")
     parser.add_argument("--health-check-interval", type=float, default=1.0, metavar="SECONDS",
@@ -390,8 +396,12 @@ def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
                                   health_timeout_s=args.health_check_timeout, security=security)
     except ValueError as e:
         parser.error(str(e))
-    config = RouterConfig(policy=RoutingPolicy(args.routing), block_size=args.block_size, hash_seed=args.hash_seed,
-                          colocate_max_tokens=args.colocate_max_tokens)
+    try:
+        config = RouterConfig(policy=RoutingPolicy(args.routing), block_size=args.block_size,
+                              hash_seed=args.hash_seed, colocate_max_tokens=args.colocate_max_tokens,
+                              host_hit_cost=args.kv_host_hit_cost, store_hit_cost=args.kv_store_hit_cost)
+    except ValueError as e:
+        parser.error(str(e))
     limits = AttemptLimits(prefill_timeout_s=args.prefill_attempt_timeout or None,
                            first_token_timeout_s=args.decode_first_token_timeout or None)
     return PDPipeline(directory, Router(directory, config), max_retries=args.max_retries, limits=limits)

@@ -151,6 +151,13 @@ def hashes(prompt: list[int]) -> list[bytes]:
     return block_hashes(prompt, BLOCK_SIZE, "tandem")
 
 
+def pool_hits(directory: NodeDirectory, prompt: list[int]) -> dict[str, int]:
+    """Per node, the prompt's leading blocks in its pool (these nodes have no host tier and no store)."""
+    matches = directory.index.match(hashes(prompt))
+    assert all(m.num_host == m.num_store == 0 for m in matches.values()), matches
+    return {node_id: m.num_device for node_id, m in matches.items()}
+
+
 def test_registered_nodes_appear_in_the_proxys_table_with_capacity_and_load(cluster: RegistryCluster) -> None:
     async def body(directory: NodeDirectory) -> None:
         decodes = {n.address: n for n in directory.nodes(Role.DECODE)}
@@ -173,15 +180,15 @@ def test_kv_events_reach_the_prefix_index_stored_and_evicted(cluster: RegistryCl
     later = list(range(500, 740))  # needs 60 of the 64 blocks: evicts some of the first prompt's
 
     async def body(directory: NodeDirectory) -> None:
-        assert directory.index.match(hashes(prompt)) == {}
+        assert pool_hits(directory, prompt) == {}
         await generate_on(node.address, prompt)
-        await eventually(lambda: directory.index.match(hashes(prompt)) == {node.node_id: 7}, 5.0,
+        await eventually(lambda: pool_hits(directory, prompt) == {node.node_id: 7}, 5.0,
                          "the prompt's blocks in the index")
         await generate_on(node.address, later, max_tokens=1)
-        await eventually(lambda: directory.index.match(hashes(later)).get(node.node_id) == 60, 5.0,
+        await eventually(lambda: pool_hits(directory, later).get(node.node_id) == 60, 5.0,
                          "the new blocks in the index")
         # the pool evicts a sequence's tail first: the prompt keeps a shorter head in the index
-        assert 0 < directory.index.match(hashes(prompt))[node.node_id] < 7
+        assert 0 < pool_hits(directory, prompt)[node.node_id] < 7
 
     run(body, cluster)
 
@@ -193,7 +200,7 @@ def test_a_late_reader_loads_what_nodes_already_hold(cluster: RegistryCluster) -
     time.sleep(0.5)  # published
 
     async def body(directory: NodeDirectory) -> None:
-        assert directory.index.match(hashes(prompt)) == {node.node_id: 4}
+        assert pool_hits(directory, prompt) == {node.node_id: 4}
 
     run(body, cluster)
 
@@ -206,7 +213,7 @@ def test_requests_sharing_a_prefix_go_to_the_decode_node_holding_it(cluster: Reg
 
     async def body(directory: NodeDirectory) -> None:
         await generate_on(warm.address, prefix + [5, 6, 7, 8])
-        await eventually(lambda: directory.index.match(hashes(prefix)).get(warm.node_id) == 8, 5.0,
+        await eventually(lambda: pool_hits(directory, prefix).get(warm.node_id) == 8, 5.0,
                          "the warmed prefix in the index")
 
     run(body, cluster)

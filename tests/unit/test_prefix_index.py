@@ -14,8 +14,9 @@ from engine.hashing import block_hashes
 from engine.request import Request
 from engine.types import SamplingParams
 from node_common.registrar import coalesce
-from proxy.routing.prefix_index import PrefixIndex
+from proxy.routing.prefix_index import PrefixIndex, PrefixMatch
 from wire import KVDelta, NodeCapacity, NodeLoad, NodeRecord, Role, hash_fingerprint
+from wire.registry import Tier, kv_set_key, store_set_key
 
 ROOT = Path(__file__).resolve().parents[2]
 H = [bytes([i]) * 16 for i in range(8)]  # stand-ins for chained hashes
@@ -27,8 +28,8 @@ def test_match_counts_each_nodes_leading_run_of_blocks() -> None:
     index.store("a", H[:4])
     index.store("b", H[:2])
     index.store("c", [H[1], H[2]])  # holds later blocks but not the first: an engine could reuse none
-    assert index.match(H[:5]) == {"a": 4, "b": 2}
-    assert index.match(H[:5], node_ids=["b", "c"]) == {"b": 2}
+    assert index.match(H[:5]) == {"a": PrefixMatch(4), "b": PrefixMatch(2)}
+    assert index.match(H[:5], {"b": "", "c": ""}) == {"b": PrefixMatch(2)}
     assert index.match([H[7]]) == {} and index.match([]) == {}
 
 
@@ -36,7 +37,7 @@ def test_a_gap_ends_a_nodes_run_even_when_later_blocks_are_held() -> None:
     index = PrefixIndex()
     index.store("a", H[:6])
     index.remove("a", [H[2]])  # evicted from the middle
-    assert index.match(H[:6]) == {"a": 2}
+    assert index.match(H[:6]) == {"a": PrefixMatch(2)}
 
 
 def test_replace_and_drop_node_leave_no_trace_of_the_old_content() -> None:
@@ -44,12 +45,78 @@ def test_replace_and_drop_node_leave_no_trace_of_the_old_content() -> None:
     index.store("a", H[:3])
     index.store("b", H[:3])
     index.replace("a", [H[5]])
-    assert index.match(H[:3]) == {"b": 3} and index.num_blocks("a") == 1 and index.holds("a", H[5])
+    assert index.match(H[:3]) == {"b": PrefixMatch(3)} and index.num_blocks("a") == 1 and index.holds("a", H[5])
     index.drop_node("b")
     assert index.match(H[:3]) == {} and index.node_ids == {"a"}
     index.remove("unknown", H)  # harmless
     index.drop_node("a")
     assert index.node_ids == set() and index.match([H[5]]) == {}
+
+
+# ---- tiers ----
+def test_a_nodes_run_is_its_device_blocks_then_host_blocks_continuing_them() -> None:
+    index = PrefixIndex()
+    index.store("a", H[:2])
+    index.store("a", H[2:4], Tier.HOST)
+    index.store("b", H[:4], Tier.HOST)  # host only: the run starts in the host tier
+    index.store("c", [H[0], H[2]])
+    index.store("c", [H[1]], Tier.HOST)  # the engine does not return to the pool after a host hit
+    index.store("d", H[:3])
+    index.store("d", H[1:3], Tier.HOST)  # in both: the pool's hit counts as device
+    assert index.match(H[:6]) == {"a": PrefixMatch(2, 2), "b": PrefixMatch(0, 4), "c": PrefixMatch(1, 1),
+                                  "d": PrefixMatch(3)}
+    assert index.match(H[:6])["a"].num_blocks == 4
+
+
+def test_tiers_of_a_node_are_updated_and_replaced_apart() -> None:
+    index = PrefixIndex()
+    index.store("a", H[:3])
+    index.store("a", H[3:5], Tier.HOST)
+    index.remove("a", [H[3]])  # not in the device tier: no effect on the host one
+    assert index.match(H[:5]) == {"a": PrefixMatch(3, 2)}
+    index.replace("a", [H[0]], Tier.HOST)
+    assert index.num_blocks("a") == 3 and index.num_blocks("a", Tier.HOST) == 1
+    assert index.holds("a", H[0], Tier.HOST) and not index.holds("a", H[4], Tier.HOST)
+    index.remove("a", [H[1]])
+    assert index.match(H[:5]) == {"a": PrefixMatch(1)}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_store_blocks_continue_the_run_of_every_node_of_their_layout() -> None:
+    index = PrefixIndex(clock=Clock())
+    index.store("p1", H[:2])  # computed the earlier prompt
+    index.add_store_blocks("L", [(h, 1000.0) for h in H[:4]])  # prompt and answer, put by their nodes
+    index.store("p1", [H[3]], Tier.HOST)
+    nodes = {"p1": "L", "p2": "L", "q": "other", "s": ""}  # q: another layout; s: no store
+    assert index.match(H[:6], nodes) == {"p1": PrefixMatch(2, 1, 1), "p2": PrefixMatch(0, 0, 4)}
+    assert index.match(H[:6]) == {"p1": PrefixMatch(2)}  # no layouts given: no store credit
+    index.drop_node("p1")  # a node that leaves takes its own tiers, not what it put in the store
+    assert index.match(H[:6], nodes) == {"p1": PrefixMatch(0, 0, 4), "p2": PrefixMatch(0, 0, 4)}
+
+
+def test_store_entries_are_hints_that_expire_and_are_bounded() -> None:
+    clock = Clock()
+    index = PrefixIndex(store_ttl_s=60.0, max_store_blocks=3, clock=clock)
+    index.add_store_blocks("L", [(H[0], 1000.0), (H[1], 1000.0)])
+    clock.now = 1030.0
+    index.add_store_blocks("L", [(H[0], 1030.0), (H[2], 1030.0), (H[0], 990.0)])  # an older put changes nothing
+    clock.now = 1061.0  # H[1] is 61 s old, H[0] and H[2] 31 s
+    assert index.match(H[:3], {"n": "L"}) == {"n": PrefixMatch(0, 0, 1)}
+    index.add_store_blocks("L", [(H[3], 1061.0)])  # prunes the expired H[1]
+    assert index.num_store_blocks("L") == 3
+    index.add_store_blocks("L", [(H[4], 1061.0)])  # four entries: the oldest put (H[0]) goes
+    assert index.num_store_blocks("L") == 3 and index.match([H[0]], {"n": "L"}) == {}
+    clock.now = 2000.0
+    assert index.match([H[2]], {"n": "L"}) == {}
+    index.add_store_blocks("L", [])
+    assert index.num_store_blocks("L") == 0
 
 
 # ---- the pool's events ----
@@ -117,6 +184,26 @@ def test_records_and_deltas_survive_the_round_trip() -> None:
     assert KVDelta.from_fields(delta.to_fields()) == delta
     assert KVDelta.from_fields({"node": "d-1", "seq": "0", "stored": "", "removed": ""}) == KVDelta("d-1", 0)
     assert hash_fingerprint("s") != hash_fingerprint("t")
+
+
+@pytest.mark.parametrize("tier", list(Tier))
+def test_a_delta_keeps_its_tier_over_the_wire(tier: Tier) -> None:
+    delta = KVDelta("d-1", 4, (H[0].hex(), H[1].hex()), (), tier)
+    fields = delta.to_fields()
+    assert fields["tier"] == tier.value and KVDelta.from_fields(fields) == delta
+
+
+def test_an_entry_without_a_tier_is_of_the_device_tier() -> None:
+    old = {"node": "d-1", "seq": "2", "stored": H[0].hex(), "removed": ""}  # written by a node without tiers
+    assert KVDelta.from_fields(old) == KVDelta("d-1", 2, (H[0].hex(),), (), Tier.DEVICE)
+    with pytest.raises(ValueError):
+        KVDelta.from_fields({**old, "tier": "tape"})
+
+
+def test_each_tier_has_its_own_set_and_the_device_set_keeps_its_key() -> None:
+    assert kv_set_key("n") == kv_set_key("n", Tier.DEVICE) == "tandem:kv:n"
+    keys = {kv_set_key("n"), kv_set_key("n", Tier.HOST), store_set_key("n")}
+    assert len(keys) == 3 and kv_set_key("host:n") not in keys  # node ids cannot collide with a tier's key
 
 
 @pytest.mark.parametrize("text", ["{}", "not json", '{"version": 99}', '{"version": 1, "role": "x"}'])
