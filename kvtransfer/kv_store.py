@@ -142,6 +142,8 @@ class _Worker:
 
     def _loop(self) -> None:
         while (item := self._jobs.get()) is not None:
+            if not item[1].set_running_or_notify_cancel():  # its caller stopped waiting before it started
+                continue
             try:
                 item[1].set_result(item[0]())
             except BaseException as e:  # noqa: B036 - handed to the caller through the future
@@ -162,6 +164,8 @@ class MooncakeKVStore:
         self.num_gets = self.num_hits = self.num_puts = self.num_errors = self.bytes_read = self.bytes_written = 0
         self._lock, self._worker, self._client = threading.Lock(), _Worker(), None
         self._state, self._retry_at, self._in_outage, self._largest_value = StoreState.CONNECTING, 0.0, False, 0
+        # the worker's job no caller waits for any more (a setup, a call that timed out): calls miss until it ends.
+        # A call queued behind another caller's call waits its turn instead (a get behind a put).
         self._busy: Future[Any] = self._worker.submit(self._setup)
         try:
             self._busy.result(timeout=call_timeout_s)
@@ -220,10 +224,14 @@ class MooncakeKVStore:
                 self._busy = self._worker.submit(self._setup)
                 return miss
             client = self._client
-            self._busy = future = self._worker.submit(lambda: self._checked(client, job))
+            future = self._worker.submit(lambda: self._checked(client, job))
         try:
             result: T = future.result(timeout=self.call_timeout_s)
         except FutureTimeout:
+            if future.cancel():  # still queued behind other calls: the store is slow, not gone
+                return miss
+            with self._lock:
+                self._busy = future
             self._failed(f"no answer within {self.call_timeout_s} s")
             return miss
         except _Unreachable as e:
