@@ -29,10 +29,11 @@ TANDEM = str(Path(sys.executable).parent / "tandem")
 
 # the workload: a shared system prompt, sessions of 5 turns whose histories hold the model's actual replies
 WORKLOAD = ["--endpoint", "/v1/chat/completions", "--dataset-name", "multi-turn-session", "--num-prompts", "80",
-            "--multi-turn-num-turns", "5", "--multi-turn-system-prompt-len", "256", "--random-input-len", "48",
-            "--random-output-len", "32", "--multi-turn-think-time", "1", "--max-concurrency", "4",
+            "--multi-turn-num-turns", "5", "--multi-turn-system-prompt-len", "128", "--random-input-len", "32",
+            "--random-output-len", "16", "--multi-turn-think-time", "1", "--max-concurrency", "2",
             "--request-rate", "inf", "--seed", "7", "--temperature", "0"]
-NUM_KV_BLOCKS = 64  # per node, 16-token blocks: 1024 tokens; the workload's histories hold about 7,000
+# per node, 16-token blocks: 1024 tokens, two requests' worth; the 16 sessions' histories hold about 4,700 tokens
+NUM_KV_BLOCKS = 64
 CONFIGS = {
     "off": [],
     "host": ["--kv-offloading-size", "1"],
@@ -80,10 +81,13 @@ def bench(url: str, label: str, out: Path, tokenizer: str, model: str | None = N
     subprocess.run(command, check=True, cwd=ROOT)
 
 
-def run_config(name: str, out: Path, port: int, tokenizer: str) -> dict[str, float]:
+def run_config(name: str, out: Path, port: int, tokenizer: str, disaggregate: bool) -> dict[str, float]:
     url = f"http://127.0.0.1:{port}"
     command = [TANDEM, "serve", "--port", str(port), "--node-args", f"--num-kv-blocks {NUM_KV_BLOCKS}",
                *CONFIGS[name]]
+    if disaggregate:  # every prompt prefilled on the prefill node, every answer generated on the decode node
+        command += ["--proxy-args", "--colocate-max-tokens 0"]
+        name += "-pd"
     print("$", " ".join(command), flush=True)
     with (out / f"serve-{name}.log").open("wb") as log:
         serve = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -107,6 +111,9 @@ def main() -> None:
     parser.add_argument("--configs", default="off,host,store")
     parser.add_argument("--port", type=int, default=8300)
     parser.add_argument("--tokenizer", required=True, help="SmolLM2's tokenizer.json (or a directory holding it)")
+    parser.add_argument("--disaggregate", action="store_true",
+                        help="the proxy hands every request from the prefill to the decode node (on a 2-core box "
+                             "tandem serve's layout otherwise has the decode node prefill them: cluster/layout.py)")
     parser.add_argument("--vllm-url", default=None)
     parser.add_argument("--vllm-model", default=None)
     args = parser.parse_args()
@@ -115,7 +122,8 @@ def main() -> None:
     tiers = json.loads(tiers_path.read_text()) if tiers_path.exists() else {}
     for name in args.configs.split(","):
         if name:
-            tiers[name] = run_config(name, args.out, args.port, args.tokenizer)
+            key = f"{name}-pd" if args.disaggregate else name
+            tiers[key] = run_config(name, args.out, args.port, args.tokenizer, args.disaggregate)
             tiers_path.write_text(json.dumps(tiers, indent=1))
     if args.vllm_url:
         bench(args.vllm_url, "vllm-cpu", args.out, args.tokenizer, args.vllm_model)

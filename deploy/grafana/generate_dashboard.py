@@ -96,6 +96,22 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             (f"sum(rate(tandem:prefill_leases_expired_total{{{SEL}}}[$__rate_interval]))", "leases expired"),
         ), unit="ops"),
     )),
+    ("KV tiers", (
+        # a hit rate per tier, each past the tiers above it (docs/architecture.md#kv-tiers)
+        Panel("Prefix hit rate by tier", (
+            (f"sum(rate(tandem:prefix_cache_hits_total{{{SEL}}}[$__rate_interval])) / "
+             f"sum(rate(tandem:prefix_cache_queries_total{{{SEL}}}[$__rate_interval]))", "pool"),
+            (f"sum by (tier) (rate(tandem:kv_tier_hits_total{{{SEL}}}[$__rate_interval])) / "
+             f"sum by (tier) (rate(tandem:kv_tier_queries_total{{{SEL}}}[$__rate_interval]))", "{{tier}}"),
+        ), unit="percentunit"),
+        Panel("Tier bytes", (
+            (f"sum by (tier) (rate(tandem:kv_tier_read_bytes_total{{{SEL}}}[$__rate_interval]))", "{{tier}} read"),
+            (f"sum by (tier) (rate(tandem:kv_tier_write_bytes_total{{{SEL}}}[$__rate_interval]))", "{{tier}} written"),
+        ), unit="Bps"),
+        Panel("Store errors", (
+            (f"sum(rate(tandem:kv_tier_errors_total{{{SEL}}}[$__rate_interval]))", "failed calls and bad blocks"),
+        ), unit="ops"),
+    )),
 )
 
 
