@@ -9,7 +9,15 @@ from decode_node.clients import PrefillLeaseClient
 from decode_node.loop import DecodeLoop
 from decode_node.service import DecodeService
 from node_common.kv import mismatched_blocks, node_layout_hash, open_connector
-from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args, store_tier
+from node_common.options import (
+    add_node_args,
+    advertised_host,
+    close_node,
+    load_engine,
+    node_id,
+    parse_node_args,
+    store_tier,
+)
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from node_common.tls import ChannelSecurity, TLSFileError
@@ -30,7 +38,8 @@ def main() -> None:
     name = node_id(args, "decode")
     async_engine = load_engine(args, "decode")
     engine = async_engine.engine
-    connector, region, _ = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
+    connector, region, _ = open_connector(engine, args.kv_backend, advertised_host(args), name,
+                                               args.cluster.transport)
     async_engine.add_ticker(lambda _: connector.progress())
     layout_hash = node_layout_hash(engine)
     store = store_tier(args, async_engine, layout_hash)

@@ -159,15 +159,21 @@ def load_engine(args: argparse.Namespace, role: str) -> AsyncEngine:
 def store_tier(args: argparse.Namespace, engine: AsyncEngine, layout_hash: str) -> StoreTier | None:
     """The node's door to the cluster KV store (--kv-store), None without one; a store address it cannot use ends
     the process with the reason."""
-    from node_common.registrar import advertised_address
     from node_common.store_tier import open_store_tier
 
-    # the address other nodes reach this node's store segment at (a bind-all --host is no such address)
-    host = advertised_address(args).rsplit(":", 1)[0].strip("[]")
-    try:
-        return open_store_tier(args.cluster.kv_tiers, engine, layout_hash, host)
+    try:  # other nodes read this node's store segment at its advertised host
+        return open_store_tier(args.cluster.kv_tiers, engine, layout_hash, advertised_host(args))
     except ValueError as e:
         raise SystemExit(f"cannot use the KV store: {e}") from None
+
+
+def advertised_host(args: argparse.Namespace) -> str:
+    """The host other nodes reach this one at: --advertise-address's, else --host unless it binds all interfaces
+    (node_common/registrar.py advertised_address). What a transfer library or the store hands peers: a bind-all
+    0.0.0.0 there makes a peer dial itself."""
+    from node_common.registrar import advertised_address
+
+    return advertised_address(args).rsplit(":", 1)[0].strip("[]")
 
 
 def close_node(connector: Any, engine: LLMEngine, store: StoreTier | None = None) -> None:

@@ -8,7 +8,15 @@ import logging
 
 from engine.llm_engine import PinnedBlocks
 from node_common.kv import block_checksums, node_layout_hash, open_connector
-from node_common.options import add_node_args, close_node, load_engine, node_id, parse_node_args, store_tier
+from node_common.options import (
+    add_node_args,
+    advertised_host,
+    close_node,
+    load_engine,
+    node_id,
+    parse_node_args,
+    store_tier,
+)
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from prefill_node.loop import PrefillLoop
@@ -31,7 +39,8 @@ def main() -> None:
     async_engine = load_engine(args, "prefill")
     engine = async_engine.engine
     layout_hash = node_layout_hash(engine)
-    connector, _, metadata = open_connector(engine, args.kv_backend, args.host, name, args.cluster.transport)
+    connector, _, metadata = open_connector(engine, args.kv_backend, advertised_host(args), name,
+                                               args.cluster.transport)
     address = advertised_address(args)  # what the registry holds, and what decode nodes call for lease RPCs
 
     def make_ticket(ticket_id: str, pinned: PinnedBlocks, deadline: float) -> KVTicket:

@@ -40,6 +40,12 @@ _SHARED_WORKER = {
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without pytest-xdist
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--reliability-report", default=None, metavar="PATH",
+                     help="merge the fault suite's rows into this markdown file, e.g. bench/results/reliability-"
+                          "$(date +%%F).md (default: none: a test run writes no tracked file)")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadfile` with the files of _SHARED_WORKER grouped. (Not xdist_group marks with `--dist loadgroup`:
     xdist 3.8 renames the test ids to group them, which pytest 9.2 no longer lets it do.)"""

@@ -1,8 +1,9 @@
-"""The fault suite's shared cluster and its report (bench/results/reliability-<date>.md, written at the end)."""
+"""The fault suite's shared cluster and its report (with --reliability-report PATH, written at the end)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -11,12 +12,13 @@ from tests.reliability.harness import Cluster, Row, started_cluster, write_repor
 
 
 @pytest.fixture(scope="session")
-def report_rows() -> Iterator[list[Row]]:
-    """The scenarios append their rows; the day's report gets them once the session ends."""
+def report_rows(request: pytest.FixtureRequest) -> Iterator[list[Row]]:
+    """The scenarios append their rows; the report named by --reliability-report gets them once the session ends."""
     rows: list[Row] = []
     yield rows
-    if rows:
-        write_report(rows)
+    path = request.config.getoption("--reliability-report")
+    if rows and path:
+        write_report(rows, Path(path))
 
 
 @pytest.fixture(scope="session")

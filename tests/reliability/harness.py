@@ -513,13 +513,14 @@ def write_report(rows: list[Row], path: Path | None = None) -> Path:
     lines = [
         f"# Reliability: the fault suite ({today})",
         "",
-        "Written by `tests/reliability/` (`pytest tests/reliability`, part of `make test`) on "
-        f"{socket.gethostname()}: a real cluster on loopback (Redis, 2 prefill + 2 decode nodes of the tiny test "
-        "model, CPU, NIXL; a proxy routing round robin, every request disaggregated), concurrent greedy streaming "
-        "clients, each fault injected under load. Must be zero in every row: unclear error, hung, corrupted, leaked "
-        "blocks; 5xx too except where the scenario's notes say the fault is the error (deadlines). `ok` means the "
-        "transformers greedy reference, token for token. Recovery: from the fault to the end of the first success "
-        "among requests sent after it. Latencies are of the successes, on a shared 2-core box.",
+        "Written by `tests/reliability/` (`pytest tests/reliability --reliability-report PATH`; part of `make test`) "
+        f"on {socket.gethostname()}: a real cluster on loopback (Redis, 2 prefill + 2 decode nodes of the tiny test "
+        "model, CPU, NIXL, both KV tiers on every node; a proxy routing round robin, every request disaggregated), "
+        "concurrent greedy streaming clients, each fault injected under load. Must be zero in every row: unclear "
+        "error, hung, corrupted, leaked blocks; 5xx too except where the scenario's notes say the fault is the error "
+        "(deadlines). `ok` means the transformers greedy reference, token for token. Recovery: from the fault to the "
+        "end of the first success among requests sent after it. Latencies are of the successes, on a shared 2-core "
+        "box.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),

@@ -9,7 +9,8 @@ concurrent greedy streaming clients, and checks the invariants every scenario mu
 - the cluster recovers: a request sent after the fault succeeds (the time it took is reported).
 
 The scenarios share one cluster (tests/reliability/harness.py), brought back to full strength before each. Every
-scenario adds its row to bench/results/reliability-<date>.md, written when the session ends.
+scenario adds its row to the report `--reliability-report PATH` names (bench/results/reliability-<date>.md for the
+record), written when the session ends.
 
 The SIGSTOP scenarios took over tests/integration/test_frozen_nodes.py (issue 13, defect 3: requests sent to a
 frozen node are given up there and complete elsewhere with the greedy output; the thawed node frees everything).
