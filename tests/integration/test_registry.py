@@ -27,7 +27,7 @@ from protos import tandem_pb2_grpc
 from proxy.routing.directory import NodeDirectory
 from tests.deploy.chart import CHART, chart_queries, dashboard_queries, metric_names, render_ci
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
-from tests.integration.processes import Process, RedisServer, free_port, start_proxy
+from tests.integration.processes import MooncakeMaster, Process, RedisServer, free_port, start_proxy
 from wire import NodeRecord, Role, node_key
 
 pytestmark = pytest.mark.integration
@@ -80,9 +80,13 @@ def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFacto
     model = tiny_model("llama")
     log_dir = tmp_path_factory.mktemp("registry-logs")
     server = RedisServer(log_dir)
-    # the prefill node runs as a Kubernetes pod would: with its pod UID from the downward API
-    nodes = [start_registered_node(role, model, server.url, log_dir, {"TANDEM_POD_UID": PREFILL_POD_UID}
-                                   if role == "prefill" else None) for role in ("prefill", "decode", "decode")]
+    store = MooncakeMaster(log_dir)
+    # every node with both KV tiers, set through the settings' environment layer (so every metric the dashboard
+    # queries has series); the prefill node runs as a Kubernetes pod would: with its pod UID from the downward API
+    tiers = {"TANDEM_KV_OFFLOADING_SIZE": "0.01", "TANDEM_KV_STORE": store.url,
+             "TANDEM_KV_STORE_SEGMENT_SIZE": "0.03125"}
+    nodes = [start_registered_node(role, model, server.url, log_dir, {**tiers, "TANDEM_POD_UID": PREFILL_POD_UID}
+                                   if role == "prefill" else tiers) for role in ("prefill", "decode", "decode")]
     proxy = None
     try:
         for n in nodes:  # started together: they load at the same time
@@ -98,6 +102,7 @@ def cluster(tiny_model: TinyModelFactory, tmp_path_factory: pytest.TempPathFacto
         for process in running:
             process.stop()
         server.stop()
+        store.kill()
 
 
 def run(body: Callable[[NodeDirectory], Awaitable[T]], cluster: RegistryCluster | LoneNode) -> T:
@@ -152,10 +157,14 @@ def hashes(prompt: list[int]) -> list[bytes]:
 
 
 def pool_hits(directory: NodeDirectory, prompt: list[int]) -> dict[str, int]:
-    """Per node, the prompt's leading blocks in its pool (these nodes have no host tier and no store)."""
+    """Per node holding some, the prompt's leading blocks in its pool."""
     matches = directory.index.match(hashes(prompt))
-    assert all(m.num_host == m.num_store == 0 for m in matches.values()), matches
-    return {node_id: m.num_device for node_id, m in matches.items()}
+    return {node_id: m.num_device for node_id, m in matches.items() if m.num_device}
+
+
+def host_hits(directory: NodeDirectory, prompt: list[int]) -> dict[str, int]:
+    """Per node, the prompt's blocks its host tier holds past its pool's run."""
+    return {node_id: m.num_host for node_id, m in directory.index.match(hashes(prompt)).items()}
 
 
 def test_registered_nodes_appear_in_the_proxys_table_with_capacity_and_load(cluster: RegistryCluster) -> None:
@@ -187,8 +196,12 @@ def test_kv_events_reach_the_prefix_index_stored_and_evicted(cluster: RegistryCl
         await generate_on(node.address, later, max_tokens=1)
         await eventually(lambda: pool_hits(directory, later).get(node.node_id) == 60, 5.0,
                          "the new blocks in the index")
-        # the pool evicts a sequence's tail first: the prompt keeps a shorter head in the index
-        assert 0 < pool_hits(directory, prompt)[node.node_id] < 7
+        # the pool evicts a sequence's tail first: the prompt keeps a shorter head in the index, and the evicted
+        # tail went to the node's host tier, which the index learns from the host tier's own events
+        kept = pool_hits(directory, prompt)[node.node_id]
+        assert 0 < kept < 7
+        await eventually(lambda: host_hits(directory, prompt).get(node.node_id) == 7 - kept, 5.0,
+                         "the evicted blocks in the host tier's index")
 
     run(body, cluster)
 
