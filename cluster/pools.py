@@ -12,6 +12,11 @@ A node's life:
    and the placement group go. At shutdown nodes stop at once instead (a second SIGTERM skips the wait).
 
 `PoolManager.reconcile` moves each pool towards its desired size; it runs every half second in `tandem serve`.
+
+Where a node goes on a Ray cluster of several machines (`Placement`): PACK leaves it to Ray; SPREAD chooses the
+machine itself (`spread_host`) and pins the node's placement group there with Ray's built-in per-machine resource
+`node:<ip>`. A node of a role with custom resources (--prefill-resources) asks for them in its first bundle, so Ray
+puts it only on machines started with them. Either way a node listens on, and advertises, its machine's address.
 """
 
 from __future__ import annotations
@@ -52,6 +57,13 @@ _RAY_CALL_TIMEOUT_S = 30.0
 FAILURE_BACKOFF_S = 5.0
 
 
+class Placement(enum.Enum):
+    """Where nodes go on a Ray cluster of several machines."""
+
+    PACK = "pack"  # Ray's choice: its default policy fills a machine before the next
+    SPREAD = "spread"  # `spread_host`: the least-loaded machine with room, apart from the other role's nodes
+
+
 class NodeState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
@@ -78,9 +90,18 @@ class NodeLaunch:
     num_threads: Mapping[str, int] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     log_dir: str | None = None
+    placement: Placement = Placement.PACK
+    # Ray custom resources each node of a role takes (--prefill-resources, --decode-resources)
+    role_resources: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def tp_of(self, role: str) -> int:
         return self.role_tp.get(role, self.tp)
+
+    def bundles_of(self, role: str) -> list[dict[str, float]]:
+        """The placement group of a node of `role`; its custom resources go in the first bundle (the actor's)."""
+        bundles = placement_bundles(self.tp_of(role), self.gpus_per_rank, self.cpus_per_node)
+        bundles[0].update(self.role_resources.get(role, {}))
+        return bundles
 
 
 def placement_bundles(tp: int, gpus_per_rank: float, cpus_per_node: float) -> list[dict[str, float]]:
@@ -88,6 +109,47 @@ def placement_bundles(tp: int, gpus_per_rank: float, cpus_per_node: float) -> li
     a fraction of one: Ray packs fractional bundles onto one GPU until it is full)."""
     cpus = {"CPU": cpus_per_node / tp}
     return [{**cpus, "GPU": gpus_per_rank} if gpus_per_rank > 0 else cpus for _ in range(tp)]
+
+
+def spread_host(role: str, need: Mapping[str, float], hosts: Mapping[str, Mapping[str, float]],
+                placed: Sequence[tuple[str, str, Mapping[str, float]]]) -> str | None:
+    """The machine (its IP) for a new node of `role` that takes `need` in all, or None to leave it to Ray (one
+    machine, or none with room).
+
+    `hosts`: each machine's total resources; `placed`: (host, role, what it takes) of the nodes already there. A
+    machine has room if its totals less what our nodes hold there cover `need` (others' use of Ray is not seen: a
+    machine they fill makes the node wait for room, then fail and be retried). Among those: machines without nodes
+    of the other role first (prefill and decode apart, so neither's steps slow the other's), then the fewest nodes,
+    then the most room."""
+    if len(hosts) < 2:
+        return None
+
+    def free(host: str) -> dict[str, float]:
+        left = dict(hosts[host])
+        for where, _, taken in placed:
+            if where == host:
+                for name, amount in taken.items():
+                    left[name] = left.get(name, 0.0) - amount
+        return left
+
+    def score(host: str) -> tuple[bool, int, float, str]:
+        roles = [r for where, r, _ in placed if where == host]
+        return any(r != role for r in roles), len(roles), -free(host).get("CPU", 0.0), host
+
+    room = [h for h in hosts if all(free(h).get(name, 0.0) >= amount - 1e-9 for name, amount in need.items())]
+    return min(room, key=score) if room else None
+
+
+def ray_hosts() -> dict[str, dict[str, float]]:
+    """The live machines of the Ray cluster by IP (Ray nodes sharing one IP summed) and their total resources."""
+    hosts: dict[str, dict[str, float]] = {}
+    for ray_node in ray.nodes():
+        if ray_node.get("Alive"):
+            totals = hosts.setdefault(ray_node["NodeManagerAddress"], {})
+            for name, amount in ray_node.get("Resources", {}).items():
+                if not name.startswith("node:"):
+                    totals[name] = totals.get(name, 0.0) + float(amount)
+    return hosts
 
 
 def node_command(launch: NodeLaunch, role: str, node_id: str, host: str, port: int) -> list[str]:
@@ -213,6 +275,8 @@ class Node:
     actor: Any = None  # the NodeProcess actor handle
     rank_holders: list[Any] = field(default_factory=list)  # a TP node's other ranks' GPU reservations
     error: str | None = None
+    host: str | None = None  # the machine's IP: where SPREAD pinned it, else where it started serving
+    taken: Mapping[str, float] = field(default_factory=dict)  # what its placement group holds there, in all
     started_at: float = field(default_factory=time.monotonic)
     task: asyncio.Task[None] | None = None  # what the manager is doing with it (start, drain)
 
@@ -229,8 +293,10 @@ class PoolManager:
     """The prefill and decode pools: desired sizes, the nodes, and the reconcile step that joins them."""
 
     def __init__(self, launch: NodeLaunch, desired: dict[str, int], startup_timeout_s: float = 300.0,
-                 resources: Callable[[], Mapping[str, float]] | None = None) -> None:
-        """`resources`: what the cluster has to place nodes on (default: Ray's, once Ray is up)."""
+                 resources: Callable[[], Mapping[str, float]] | None = None,
+                 hosts: Callable[[], Mapping[str, Mapping[str, float]]] = ray_hosts) -> None:
+        """`resources`: what the cluster has to place nodes on (default: Ray's, once Ray is up); `hosts`: its
+        machines and their totals, for SPREAD."""
         assert set(desired) == set(ROLES), f"desired sizes for {ROLES}, got {sorted(desired)}"
         self.launch = launch
         self.desired = dict(desired)
@@ -238,6 +304,7 @@ class PoolManager:
         # the node drains for --drain-timeout (the same setting); the pool waits a margin more before killing it
         self.drain_timeout_s = launch.cluster.drain_timeout
         self._resources = resources or (lambda: ray.cluster_resources() if ray.is_initialized() else {})
+        self._hosts = hosts
         self.nodes: list[Node] = []
         self._ids = itertools.count()
         self._actor_class = ray.remote(max_restarts=0)(NodeProcess)
@@ -323,8 +390,9 @@ class PoolManager:
         deadline = time.monotonic() + self.startup_timeout_s
         try:
             await self.place(node, deadline - time.monotonic())
-            node.address = await _ray_wait(node.actor.start.remote(), deadline - time.monotonic(),
+            address: str = await _ray_wait(node.actor.start.remote(), deadline - time.monotonic(),
                                            f"the actor of {node.node_id} did not start")
+            node.address, node.host = address, address.rpartition(":")[0]  # where Ray put it (SPREAD chose it)
             while True:
                 state, code = await _ray_wait(node.actor.state.remote(), _RAY_CALL_TIMEOUT_S, "actor unresponsive")
                 if state == "ready" and await self._registered(node):
@@ -352,8 +420,16 @@ class PoolManager:
     async def place(self, node: Node, timeout_s: float) -> None:
         """Reserves the node's placement group and creates its actor in it (the process is not started yet).
         The actor asks for its bundle's GPU share, so Ray shows it the GPU it reserved."""
-        bundles = placement_bundles(self.launch.tp_of(node.role), self.launch.gpus_per_rank,
-                                    self.launch.cpus_per_node)
+        bundles = self.launch.bundles_of(node.role)
+        node.taken = {name: sum(b.get(name, 0.0) for b in bundles) for name in {n for b in bundles for n in b}}
+        if self.launch.placement is Placement.SPREAD:
+            placed = [(n.host, n.role, n.taken) for n in self.nodes if n is not node and n.host is not None]
+            node.host = spread_host(node.role, node.taken, self._hosts(), placed)
+            if node.host is not None:  # Ray's own resource of that machine: a sliver pins the group there
+                bundles[0][f"node:{node.host}"] = 0.001
+            else:
+                logger.info("placing %s: no machine to spread it to (one machine, or none with room): Ray chooses",
+                            node.node_id)
         # one machine for all of a node's ranks (a bundle each): they talk over NCCL / gloo on loopback
         node.placement = placement_group(bundles, strategy="STRICT_PACK", name=f"tandem-{node.node_id}")
         await _ray_wait(node.placement.ready(), timeout_s,

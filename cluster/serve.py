@@ -6,7 +6,9 @@ What it starts, in order (and stops in reverse):
    there and the proxy discovers them, so nodes can come and go (scale, drain) while the proxy runs;
    with --kv-store mooncake, the cluster KV store: a mooncake_master of its own on a free loopback port;
 3. Ray: a local instance (`ray.init(address="local")`) or the cluster at --ray-address;
-4. the pools: one placement group + actor + node process per node (cluster/pools.py), until all are ready;
+4. the pools: one placement group + actor + node process per node (cluster/pools.py), until all are ready; on a
+   Ray cluster of several machines each node listens on its machine's address, where --placement and
+   --prefill-resources / --decode-resources put it;
 5. the proxy (`python -m proxy`), in front, on --host:--port;
 6. the admin API (cluster/admin.py) on 127.0.0.1, and the state file that tells the CLI where it is and its
    token.
@@ -37,7 +39,7 @@ import uvicorn
 from cluster.admin import AdminServer, bind_admin_socket, create_admin_app, new_token
 from cluster.layout import CpuLayout, serve_layout
 from cluster.models import ModelChoiceError, resolve_model
-from cluster.pools import NodeLaunch, NodeState, PoolManager, die_with_parent, free_port
+from cluster.pools import NodeLaunch, NodeState, Placement, PoolManager, die_with_parent, free_port
 from cluster.progress import Progress
 from cluster.state import ClusterState, cache_dir, remove_state, write_state
 from proxy.api.auth import APIKeys, read_key_file
@@ -140,7 +142,9 @@ def serve(config: ServeConfig) -> None:
                             gpu_memory_utilization=config.node_gpu_memory_utilization(), bind_loopback=local,
                             num_threads={} if layout is None else {"prefill": layout.prefill_threads,
                                                                    "decode": layout.decode_threads},
-                            extra_args=config.node_extra_args(), log_dir=str(log_dir))
+                            extra_args=config.node_extra_args(), log_dir=str(log_dir),
+                            placement=Placement(config.placement),
+                            role_resources={role: config.resources_of(role) for role in ("prefill", "decode")})
         pools = PoolManager(launch, {"prefill": 0, "decode": 0}, startup_timeout_s=config.startup_timeout)
         try:
             pools.scale({"prefill": config.prefill_nodes, "decode": config.decode_nodes})

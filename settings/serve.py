@@ -4,6 +4,7 @@ cluster-wide ones (`settings.cluster`) that it hands to every node and the proxy
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import shlex
@@ -14,6 +15,7 @@ from settings.cluster import ENGINE_DEFAULTS, LOOPBACK_TRANSPORT_ENV, ClusterSet
 from settings.spec import ConfigError, group, setting, settings_of
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+PLACEMENTS = ("pack", "spread")
 NODE_GPU_MEMORY_UTILIZATION = ENGINE_DEFAULTS["gpu_memory_utilization"]
 # node flags tandem serve sets itself for each node (from --node-gpus and --gpu-memory-utilization)
 _SERVE_NODE_FLAGS = {"--device": "--node-gpus (Ray gives each node its GPU; 0 runs nodes on CPU)",
@@ -40,6 +42,15 @@ class ServeConfig:
     host: str = setting("127.0.0.1", "address the proxy listens on", metavar="H")
     port: int = setting(8000, "port the proxy listens on", minimum=1, metavar="P")
     ray_address: str = setting("local", "Ray cluster to join ('local' starts one on this machine)", metavar="ADDR")
+    placement: str = setting(
+        "pack", "where a Ray cluster of several machines puts the nodes: 'pack' leaves it to Ray (nodes fill a "
+                "machine before the next); 'spread' gives each node the least-loaded machine with room, keeping "
+                "prefill and decode nodes on different machines while there are enough", choices=PLACEMENTS)
+    prefill_resources: str | None = setting(
+        None, "Ray custom resources each prefill node takes, as JSON: '{\"prefill-host\": 1}' puts prefill nodes "
+              "only on machines started with `ray start --resources '{\"prefill-host\": N}'` (N of them each)",
+        metavar="JSON")
+    decode_resources: str | None = setting(None, "as --prefill-resources, for each decode node", metavar="JSON")
     api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (default: no key)",
                                   metavar="KEY")
     api_key_file: str | None = setting(
@@ -91,6 +102,8 @@ class ServeConfig:
                 SpeculativeConfig.parse(self.speculative_config)
             except ValueError as e:
                 raise ConfigError(f"--speculative-config: {e}") from None
+        for role in ("prefill", "decode"):
+            self.resources_of(role)  # a clear error now, not a node that never places
         if self.node_gpus is not None and self.node_gpus > 1 and not self.node_gpus.is_integer():
             raise ConfigError(f"--node-gpus: a node takes a share of one GPU or whole GPUs, not {self.node_gpus:g}")
         if self.gpu_memory_utilization is not None:
@@ -113,6 +126,11 @@ class ServeConfig:
         """The TP size of a role's nodes ("prefill" or "decode")."""
         own = self.prefill_tp if role == "prefill" else self.decode_tp
         return own if own is not None else self.tp
+
+    def resources_of(self, role: str) -> dict[str, float]:
+        """The Ray custom resources each node of a role takes (--prefill-resources, --decode-resources)."""
+        text = self.prefill_resources if role == "prefill" else self.decode_resources
+        return {} if text is None else parse_resources(text, f"--{role}-resources")
 
     def node_gpu_memory_utilization(self) -> float | None:
         """What each node on a GPU is told to take of it (None: the node's own default, 0.9)."""
@@ -146,6 +164,23 @@ class ServeConfig:
             text = LOOPBACK_TRANSPORT_ENV if on_one_machine else ""
         implied = self.cluster.transport.launch_environment(self.cluster.kv_backend)
         return {**implied, **parse_env_assignments(text)}
+
+
+def parse_resources(text: str, where: str) -> dict[str, float]:
+    """'{"prefill-host": 1}' -> {"prefill-host": 1.0}: custom resources only (CPU and GPU have their own flags)."""
+    try:
+        resources = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not JSON ({e}): expected e.g. '{{\"prefill-host\": 1}}'") from None
+    if not isinstance(resources, dict) or not resources:
+        raise ConfigError(f"{where}: expected a JSON object of resource names and amounts, got {text!r}")
+    for name, amount in resources.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory") or name.startswith("node:"):
+            raise ConfigError(f"{where}: {name!r} is Ray's own resource: use --node-cpus, --node-gpus or "
+                              "--placement; this flag takes the custom resources given to `ray start --resources`")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+            raise ConfigError(f"{where}: {name!r} needs a positive amount, got {amount!r}")
+    return {name: float(amount) for name, amount in resources.items()}
 
 
 def parse_env_assignments(text: str, where: str = "--transport-env") -> dict[str, str]:
