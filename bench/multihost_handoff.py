@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -32,19 +31,13 @@ sys.path.insert(0, str(ROOT))
 
 from protos import tandem_pb2 as pb  # noqa: E402
 from protos import tandem_pb2_grpc  # noqa: E402
-from tests.multihost.hosts import Host, Hosts  # noqa: E402
+from tests.multihost.hosts import Host, Hosts, host_environment  # noqa: E402
 
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 7000, 7001, 8000
 
 
-def _environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "TANDEM_UCX_DEVICES", "UCX_NET_DEVICES", "UCX_TLS")}
-    return {**env, "PYTHONUNBUFFERED": "1", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
-
-
 def _start(host: Host, argv: list[str], log: Path) -> None:
-    host.run([sys.executable, "-m", *argv], env=_environment(), log_path=log, cwd=ROOT)
+    host.run([sys.executable, "-m", *argv], env=host_environment(), log_path=log, cwd=ROOT)
 
 
 def _wait(log: Path, text: str, timeout: float = 180.0) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from urllib.parse import parse_qs, urlparse
 
 import httpx
 
-from tests.multihost.hosts import Host, Hosts
+from tests.multihost.hosts import Host, Hosts, host_environment
 from tests.reliability.harness import HUNG_MARGIN_S, ClientBehaviour, Kind, Outcome, stream_once, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,14 +51,6 @@ NODE_HOSTS = {"prefill-1": 1, "decode-2": 2, "decode-3": 3}  # node name -> the 
 FULL_STRENGTH = {"prefill": 1, "decode": 2}
 STATS_FIELDS = ("free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting", "num_pinned_tickets",
                 "kv_transfer_count")
-
-
-def environment() -> dict[str, str]:
-    """A process's environment on a host: no InfiniBand modules (docs/environment.md#ucx-and-nixl), quiet NIXL, and
-    neither the loopback device nor Triton's interpreter a test run may carry."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("TRITON_INTERPRET", "TANDEM_UCX_DEVICES", "UCX_NET_DEVICES", "UCX_TLS")}
-    return {**env, "PYTHONUNBUFFERED": "1", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
 
 
 @dataclass
@@ -118,12 +109,12 @@ class SpreadCluster:
                         "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.log_dir)],
                        log_path=self.log_dir / "redis.log")
         self.front.run([sys.executable, "-m", "tests.multihost.cluster", f"{self.front.ip}:{AGENT_PORT}"],
-                       env=environment(), log_path=self.log_dir / "stats-agent.log", cwd=ROOT)
+                       env=host_environment(), log_path=self.log_dir / "stats-agent.log", cwd=ROOT)
 
     def start_proxy(self) -> None:
         self.front.run([sys.executable, "-m", "proxy", "--model", str(self.model), "--registry", self.registry,
                         "--host", self.front.ip, "--port", str(PROXY_PORT), "--log-level", "warning", *PROXY_FLAGS],
-                       env=environment(), log_path=self.log_dir / "proxy.log", cwd=ROOT)
+                       env=host_environment(), log_path=self.log_dir / "proxy.log", cwd=ROOT)
 
     def start_node(self, name: str) -> None:
         """Starts the node on its host (a log of its own per start); `wait_ready` waits for it."""
@@ -134,7 +125,7 @@ class SpreadCluster:
         node.process = node.host.run(
             [sys.executable, "-m", f"{node.role}_node", "--model", str(self.model), "--host", node.host.ip,
              "--port", str(NODE_PORT), "--ucx-devices", node.host.device, "--node-id", name, "--registry",
-             self.registry, *NODE_FLAGS, *extra], env=environment(), log_path=node.log_path, cwd=ROOT)
+             self.registry, *NODE_FLAGS, *extra], env=host_environment(), log_path=node.log_path, cwd=ROOT)
 
     def wait_ready(self, name: str, timeout: float = 120.0) -> None:
         node = self.nodes[name]

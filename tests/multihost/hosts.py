@@ -42,6 +42,14 @@ _sequence = itertools.count()
 _T = TypeVar("_T")
 
 
+def host_environment() -> dict[str, str]:
+    """A process's environment on a host: no InfiniBand modules (docs/environment.md#ucx-and-nixl), quiet NIXL, and
+    neither the loopback device nor Triton's interpreter a test run may carry."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("TRITON_INTERPRET", "TANDEM_UCX_DEVICES", "UCX_NET_DEVICES", "UCX_TLS")}
+    return {**env, "PYTHONUNBUFFERED": "1", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if check and result.returncode != 0:

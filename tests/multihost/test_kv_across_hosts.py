@@ -9,7 +9,6 @@ machine and reads over tcp/eth0 (in one PID namespace it would read with CMA, wh
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -21,21 +20,13 @@ import httpx
 import pytest
 
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
-from tests.multihost.hosts import Host, Hosts
+from tests.multihost.hosts import Host, Hosts, host_environment
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[2]
 # each host is a network namespace of its own: nothing else can hold these ports
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 7000, 7001, 8000
 BLOCK_SIZE = 4
-
-
-def _environment() -> dict[str, str]:
-    """A node's environment on a host: no InfiniBand modules (docs/environment.md#ucx-and-nixl), quiet NIXL, and
-    neither the loopback device nor Triton's interpreter a test run may carry."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("TRITON_INTERPRET", "TANDEM_UCX_DEVICES", "UCX_NET_DEVICES", "UCX_TLS")}
-    return {**env, "PYTHONUNBUFFERED": "1", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
 
 
 def _wait_for_line(log_path: Path, text: str, process: subprocess.Popen[bytes], timeout: float = 90.0) -> None:
@@ -59,7 +50,7 @@ def _start_node(host: Host, role: str, port: int, model: Path, backend: str, log
     process = host.run([sys.executable, "-m", f"{role}_node", "--model", str(model), "--dtype", "float32",
                         *where, "--port", str(port), "--kv-backend", backend, "--ucx-devices", host.device,
                         "--block-size", str(BLOCK_SIZE), "--num-kv-blocks", "64", "--max-num-seqs", "8",
-                        "--log-level", "INFO"], env=_environment(), log_path=log_path, cwd=ROOT)
+                        "--log-level", "INFO"], env=host_environment(), log_path=log_path, cwd=ROOT)
     return process, log_path
 
 
@@ -101,7 +92,7 @@ def cluster(request: pytest.FixtureRequest, tiny_model: TinyModelFactory, tmp_pa
                         "--port", str(PROXY_PORT), "--prefill", f"{prefill_host.ip}:{PREFILL_PORT}",
                         "--decode", f"{decode_host.ip}:{DECODE_PORT}", "--colocate-max-tokens", "0",
                         "--request-timeout", "60", "--log-level", "warning"],
-                       env=_environment(), log_path=tmp_path / "proxy.log", cwd=ROOT)
+                       env=host_environment(), log_path=tmp_path / "proxy.log", cwd=ROOT)
         proxy_host.call(_wait_for_health, f"http://{proxy_host.ip}:{PROXY_PORT}")
         yield Cluster(hosts, request.param, tmp_path)
 

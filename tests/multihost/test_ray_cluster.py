@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from tests.fixtures.tiny_models import TinyModelFactory, hf_greedy
-from tests.multihost.hosts import Host, Hosts
+from tests.multihost.hosts import Host, Hosts, host_environment
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,9 +38,9 @@ NODE_ARGS = "--num-kv-blocks 64 --max-num-seqs 8"
 
 
 def _environment(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")
-           and key not in ("TRITON_INTERPRET", "TANDEM_UCX_DEVICES", "UCX_NET_DEVICES", "UCX_TLS", "TANDEM_ADMIN_URL")}
-    return {**env, "PYTHONUNBUFFERED": "1", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN", "RAY_AUTH_MODE": "disabled",
+    env = {key: value for key, value in host_environment().items()
+           if not key.startswith("RAY_") and key != "TANDEM_ADMIN_URL"}
+    return {**env, "RAY_AUTH_MODE": "disabled",
             "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), **extra}
 
 
