@@ -259,9 +259,9 @@ class DecodeLoop:
                     break
                 if not stop and lease.answered_not_live:
                     stop.append(lease.not_live_error(ticket))
-                    # P restarted, died or dropped the ticket: its reads are doomed, and one from a dead P could
-                    # otherwise run until the read timeout. Removing the peer fails and fences them at once (it
-                    # is added again by the next ticket that names it).
+                    # P restarted, died or dropped the ticket: its reads are doomed. Removing the peer gives them
+                    # up (each ends FAILED once nothing more can land in its blocks; it is added again by the next
+                    # ticket that names it).
                     await self.engine.call(lambda _: self._remove_peer(handle))
                 if not stop and deadline is not None and time.time() >= deadline:
                     stop.append(DecodeError("DEADLINE_EXCEEDED", "the KV transfer outlasted the request's deadline"))
@@ -360,8 +360,8 @@ class DecodeLoop:
             logger.debug("removing peer %s: %s", handle.peer if handle else None, e)
 
     async def _drain(self, handle: TransferHandle) -> None:
-        """Waits until a read is over (DONE or FAILED, at the latest when the connector's read timeout fails it),
-        so that blocks freed after it receive no more bytes."""
+        """Waits until a read is over (DONE or FAILED: FAILED only once nothing more can land), so that blocks
+        freed after it receive no more bytes."""
         try:
             while await self.engine.call(lambda _: self.connector.poll(handle)) is TransferStatus.PENDING:
                 await asyncio.sleep(POLL_INTERVAL_S)

@@ -148,8 +148,8 @@ class Connector(abc.ABC):
 
     @abc.abstractmethod
     def remove_peer(self, peer: PeerId) -> None:
-        """Forgets a peer: its reads still in flight end as FAILED; later calls naming it raise
-        `UnknownPeerError`."""
+        """Forgets a peer: its reads still in flight are given up (FAILED once over, see `poll`); later calls naming
+        it raise `UnknownPeerError`."""
 
     @abc.abstractmethod
     def read(self, peer: PeerId, remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> TransferHandle:
@@ -162,8 +162,10 @@ class Connector(abc.ABC):
 
     @abc.abstractmethod
     def poll(self, handle: TransferHandle) -> TransferStatus:
-        """The transfer's status; PENDING turns into FAILED once the read timeout passes. A finished status is
-        remembered for a while, so polling again answers the same."""
+        """The transfer's status. A read past its timeout (or whose peer was removed) is given up: it turns FAILED
+        once the library says it is over, never earlier, because no library can stop a read in flight and FAILED
+        promises that nothing more lands in its local blocks. A finished status is remembered for a while, so
+        polling again answers the same."""
 
     @abc.abstractmethod
     def failure_reason(self, handle: TransferHandle) -> str | None:

@@ -10,7 +10,16 @@ Transfer record lifecycle:
     read() ─ validate, coalesce ─┬─ no blocks ───────────────────────────────────► finished: DONE
                                  ├─ _start_read raised a TransferError ──────────► finished: FAILED (reason)
                                  └─ in flight ── poll: _check_read ── DONE/FAILED ► finished
-                                                     └─ deadline passed: _abort_read ► finished: FAILED (timeout)
+                                                     └─ deadline passed, or peer removed: _abort_read ► given up
+                     given up ── poll: _check_read ── still in flight: PENDING
+                                                  └─ over (whatever its outcome) ► finished: FAILED (why given up)
+
+A read given up on stays PENDING until the library says it is over, because FAILED promises the caller that nothing
+more lands in the read's local blocks (it frees them, and they go to another request). No library here can promise
+that earlier: NIXL's release of a READ in flight (and removing its peer) only orphans UCX's GET, whose bytes keep
+arriving (tests/multihost/test_late_writes.py saw every block written seconds after a timed-out read was released);
+a running Mooncake batch read cannot be stopped. A read from a peer that is gone ends soon (the connection fails);
+one stuck on a partition ends when the transport gives up, holding its blocks until then.
 """
 
 from __future__ import annotations
@@ -58,6 +67,7 @@ class _Transfer:
     handle: TransferHandle
     deadline: float  # time.monotonic()
     state: Any
+    given_up: str | None = None  # why the read was given up on (it ends FAILED for this reason once over)
 
 
 def default_agent_name(backend: str) -> str:
@@ -81,6 +91,7 @@ class BlockConnector(Connector):
         self._envelope: PeerEnvelope | None = None
         self._metadata: bytes | None = None
         self._peers: dict[PeerId, Peer] = {}
+        self._departing: dict[PeerId, Peer] = {}  # removed, with reads still in flight: disconnected once over
         self._transfers: dict[int, _Transfer] = {}
         self._finished: OrderedDict[int, tuple[TransferHandle, TransferStatus, str | None]] = OrderedDict()
         self._inbox: list[tuple[PeerId, bytes]] = []
@@ -99,7 +110,7 @@ class BlockConnector(Connector):
 
     @abc.abstractmethod
     def _disconnect_peer(self, peer: Peer) -> None:
-        """Releases the backend's per-peer state (no transfer to this peer is in flight any more)."""
+        """Releases the backend's per-peer state (no read from this peer is in flight any more, but at close)."""
 
     @abc.abstractmethod
     def _start_read(self, peer: Peer, runs: BlockRuns) -> Any:
@@ -112,7 +123,13 @@ class BlockConnector(Connector):
 
     @abc.abstractmethod
     def _abort_read(self, state: Any) -> None:
-        """Gives up on a READ still in flight (timeout, peer removed, close); must not block for long."""
+        """Asks the library to stop a READ still in flight (timeout, peer removed), best effort and without blocking
+        for long; `_check_read` keeps being asked until the read is over. Must not release what `_check_read`
+        needs while the read may still write."""
+
+    def _discard_read(self, state: Any) -> None:
+        """Drops a READ at close: the library is released next, after which nothing can land."""
+        self._abort_read(state)
 
     @abc.abstractmethod
     def _send_notification(self, peer: Peer, message: bytes) -> None:
@@ -170,23 +187,30 @@ class BlockConnector(Connector):
         peer_id = PeerId(envelope.agent_name)
         if peer_id == self._agent_name:
             raise InvalidRequestError("a connector cannot add itself as a peer")
+        departing = self._departing.pop(peer_id, None)
+        if departing is not None:
+            if departing.metadata == bytes(metadata):  # removed while its reads end: the library still has it
+                self._peers[peer_id] = departing
+                return peer_id
+            self._disconnect(departing)  # same name, new metadata: the peer re-registered (its old reads orphaned)
         existing = self._peers.get(peer_id)
         if existing is not None:
             if existing.metadata == bytes(metadata):
                 return peer_id
-            self.remove_peer(peer_id)  # same name, new metadata: the peer re-registered
+            self.remove_peer(peer_id)  # same name, new metadata: the peer re-registered (its reads orphaned)
+            if (old := self._departing.pop(peer_id, None)) is not None:
+                self._disconnect(old)
         self._peers[peer_id] = Peer(peer_id, envelope, bytes(metadata), self._connect_peer(envelope))
         return peer_id
 
     def remove_peer(self, peer: PeerId) -> None:
         self._check_open()
         record = self._require_peer(peer)
-        self._fail_transfers(lambda t: t.handle.peer == peer, "the peer was removed")
+        for transfer in [t for t in self._transfers.values() if t.handle.peer == peer]:
+            self._give_up(transfer, "the peer was removed")
         del self._peers[peer]
-        try:
-            self._disconnect_peer(record)
-        except Exception:  # the peer is forgotten either way; the library may already have dropped it
-            logger.exception("releasing peer %s failed", peer)
+        self._departing[peer] = record
+        self._disconnect_departed(peer)
 
     def read(self, peer: PeerId, remote_block_ids: BlockIds, local_block_ids: BlockIds) -> TransferHandle:
         self._check_open()
@@ -216,11 +240,14 @@ class BlockConnector(Connector):
         if transfer is None or transfer.handle != handle:
             return self._finished_record(handle)[1]
         status, reason = self._check_read(transfer.state)
-        if status is TransferStatus.PENDING and time.monotonic() >= transfer.deadline:
-            self._abort(transfer)
-            status, reason = TransferStatus.FAILED, f"timed out after {self.read_timeout_s:g} s"
+        if status is TransferStatus.PENDING and transfer.given_up is None and time.monotonic() >= transfer.deadline:
+            self._give_up(transfer, f"timed out after {self.read_timeout_s:g} s")
+            status, reason = self._check_read(transfer.state)
+        if status is not TransferStatus.PENDING and transfer.given_up is not None:
+            status, reason = TransferStatus.FAILED, transfer.given_up
         if status is not TransferStatus.PENDING:
             del self._transfers[handle.transfer_id]
+            self._disconnect_departed(handle.peer)
             if status is TransferStatus.FAILED:
                 logger.warning("read from %s failed: %s", handle.peer, reason)
             self._finish(handle, status, reason)
@@ -255,13 +282,11 @@ class BlockConnector(Connector):
     def close(self) -> None:
         if self._closed:
             return
-        self._fail_transfers(lambda t: True, "the connector was closed")
-        for record in list(self._peers.values()):
-            try:
-                self._disconnect_peer(record)
-            except Exception:  # closing must finish: log, go on
-                logger.exception("releasing peer %s on close failed", record.peer_id)
+        self._discard_transfers("the connector was closed")
+        for record in [*self._peers.values(), *self._departing.values()]:
+            self._disconnect(record)
         self._peers.clear()
+        self._departing.clear()
         self._closed = True
         try:
             self._shutdown()
@@ -285,15 +310,31 @@ class BlockConnector(Connector):
             raise UnknownPeerError(f"unknown peer {peer!r}: add_peer it first (known: {len(self._peers)})")
         return record
 
-    def _abort(self, transfer: _Transfer) -> None:
+    def _give_up(self, transfer: _Transfer, reason: str) -> None:
+        """The read ends FAILED for `reason`, once the library says it is over (see the module's docstring)."""
+        transfer.given_up = reason
         try:
             self._abort_read(transfer.state)
         except Exception:
             logger.exception("aborting read %d failed", transfer.handle.transfer_id)
 
-    def _fail_transfers(self, selected: Any, reason: str) -> None:
-        for transfer in [t for t in self._transfers.values() if selected(t)]:
-            self._abort(transfer)
+    def _disconnect_departed(self, peer: PeerId) -> None:
+        """Disconnects a removed peer once none of its reads is in flight."""
+        if peer in self._departing and not any(t.handle.peer == peer for t in self._transfers.values()):
+            self._disconnect(self._departing.pop(peer))
+
+    def _disconnect(self, record: Peer) -> None:
+        try:
+            self._disconnect_peer(record)
+        except Exception:  # the peer is forgotten either way; the library may already have dropped it
+            logger.exception("releasing peer %s failed", record.peer_id)
+
+    def _discard_transfers(self, reason: str) -> None:
+        for transfer in list(self._transfers.values()):
+            try:
+                self._discard_read(transfer.state)
+            except Exception:
+                logger.exception("discarding read %d failed", transfer.handle.transfer_id)
             del self._transfers[transfer.handle.transfer_id]
             self._finish(transfer.handle, TransferStatus.FAILED, reason)
 

@@ -229,8 +229,13 @@ class NixlConnector(BlockConnector):
         return TransferStatus.FAILED, "NIXL reported an error on the read"
 
     def _abort_read(self, state: _NixlRead) -> None:
-        if not state.finished:
-            self._release(state.xfer)  # releasing a transfer in flight asks NIXL to cancel it
+        # Nothing to do: UCX cannot cancel a GET, and releasing the transfer would only orphan it (its bytes keep
+        # landing, and we could no longer tell when they stop). `_check_read` releases it once it is over.
+        pass
+
+    def _discard_read(self, state: _NixlRead) -> None:
+        if not state.finished:  # at close: the agent goes next, and with it the worker that lands the bytes
+            self._release(state.xfer)
 
     def _send_notification(self, peer: Peer, message: bytes) -> None:
         try:

@@ -173,13 +173,22 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
     conn.send(("ok", (connector.register(region), connector.agent_name)))
     inbox: list[tuple[str, bytes]] = []
 
+    handles: dict[int, Any] = {}
+
     def read(peer: str, remote_ids: list[int], local_ids: list[int], wait_s: float) -> dict[str, Any]:
         started = time.monotonic()
         handle = connector.read(PeerId(peer), remote_ids, local_ids)
+        handles[handle.transfer_id] = handle
         status = connector.wait(handle, wait_s)
         return {"status": status.name, "reason": connector.failure_reason(handle),
                 "seconds": time.monotonic() - started, "num_descriptors": handle.num_descriptors,
-                "num_bytes": handle.num_bytes}
+                "num_bytes": handle.num_bytes, "transfer_id": handle.transfer_id}
+
+    def wait_read(transfer_id: int, wait_s: float) -> dict[str, Any]:
+        """A read started by `read` that had not finished then, waited for again."""
+        handle = handles[transfer_id]
+        status = connector.wait(handle, wait_s)
+        return {"status": status.name, "reason": connector.failure_reason(handle)}
 
     def notifications(min_count: int, wait_s: float) -> list[tuple[str, bytes]]:
         deadline = time.monotonic() + wait_s
@@ -219,6 +228,7 @@ def serve(conn: Connection, backend: str, num_blocks: int, block_bytes: int, see
         "chosen_backend": chosen_backend,
         "remove_peer": connector.remove_peer,
         "read": read,
+        "wait_read": wait_read,
         "poll_unknown": lambda: connector.poll(make_foreign_handle()),
         "notify": connector.notify,
         "notifications": notifications,
