@@ -34,7 +34,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +51,7 @@ from node_common.store_tier import StoreTier
 from wire import KVTicket
 
 logger = logging.getLogger(__name__)
+_Reserved = tuple[Request, ReservedBlocks | None, TransferHandle | None]  # a request, its blocks, its read
 
 POLL_INTERVAL_S = 0.0005
 LEASE_EXTENSION_S = 15.0
@@ -133,6 +134,10 @@ class DecodeLoop:
         self.num_transfers = 0
         self.transfer_seconds = 0.0
         self._background: set[asyncio.Future[bool]] = set()  # release calls in flight (kept referenced)
+        # On the engine thread: the requests whose read is in flight, and those of them aborted meanwhile (their
+        # blocks go back once the read is over: the transfer path frees them, see `abort`)
+        self._reading: set[str] = set()
+        self._aborted_while_reading: set[str] = set()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        ticket: KVTicket, first_token: int, first_logprobs: PositionLogprobs | None,
@@ -228,7 +233,12 @@ class DecodeLoop:
     async def _forget(self, request_id: str) -> None:
         self.engine.close_stream(request_id)
         # aborting a finished request only forgets it; an unfinished one (client gone) frees its blocks
-        await asyncio.shield(self.engine.call(lambda e: e.abort(request_id)))
+        def forget(engine: LLMEngine) -> None:
+            self._aborted_while_reading.discard(request_id)
+            self._reading.discard(request_id)  # (a read that raised at poll is over: its connector failed it)
+            engine.abort(request_id)
+
+        await asyncio.shield(self.engine.call(forget))
 
     async def _transfer(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                         ticket: KVTicket, first: SampledToken, lease: _LeaseCheck, deadline: float | None
@@ -246,10 +256,12 @@ class DecodeLoop:
 
         def check(engine: LLMEngine) -> tuple[TransferStatus, list[int], StepOutput | None]:
             status = TransferStatus.DONE if handle is None else self.connector.poll(handle)
+            if status is not TransferStatus.PENDING:
+                self._reading.discard(request_id)
             if status is not TransferStatus.DONE:
                 return status, [], None
             bad = self._verify(local, expected) if local else []
-            admit = not bad and lease.confirmed and not stop
+            admit = not bad and lease.confirmed and not stop and request_id not in self._aborted_while_reading
             return status, bad, engine.admit_remote_kv(request_id, first) if admit else None
 
         try:
@@ -265,6 +277,8 @@ class DecodeLoop:
                     await self.engine.call(lambda _: self._remove_peer(handle))
                 if not stop and deadline is not None and time.time() >= deadline:
                     stop.append(DecodeError("DEADLINE_EXCEEDED", "the KV transfer outlasted the request's deadline"))
+                if not stop and request_id in self._aborted_while_reading:
+                    stop.append(DecodeError("CANCELLED", f"request {request_id} was aborted"))
                 await asyncio.sleep(POLL_INTERVAL_S)
         except TransferError as e:
             self.num_transfer_failures += 1
@@ -273,9 +287,12 @@ class DecodeLoop:
             raise DecodeError("CANCELLED", str(e)) from e
         except BaseException:  # cancelled (the client went away): the blocks go back only once nothing lands
             if handle is not None:
-                await asyncio.shield(self._drain(handle))
+                logger.debug("request %s: cancelled with its KV read in flight: waiting for it to end", request_id)
+                await _through_cancellation(self._drain(request_id, handle))
+                logger.debug("request %s: its cancelled read is over", request_id)
             raise
         if stop:
+            logger.debug("request %s: read %s, then stopped: %s", request_id, status.name, stop[0])
             raise stop[0]
         if status is TransferStatus.FAILED:
             self.num_transfer_failures += 1
@@ -330,12 +347,14 @@ class DecodeLoop:
                 return made[0], blocks, None
             peer = self.connector.add_peer(ticket.transfer_endpoint)
             skip = blocks.num_cached_blocks  # our own prefix hits need no transfer
-            return made[0], blocks, self.connector.read(peer, ticket.block_ids[skip:], blocks.block_ids[skip:])
+            handle = self.connector.read(peer, ticket.block_ids[skip:], blocks.block_ids[skip:])
+            self._reading.add(request_id)
+            return made[0], blocks, handle
 
         last_extension = time.monotonic()
         while True:
             try:
-                request, blocks, handle = await self.engine.call(reserve_and_read)
+                request, blocks, handle = await self._start_read(reserve_and_read)
             except ValueError as e:
                 raise DecodeError("INVALID_ARGUMENT", str(e)) from e
             except TransferError as e:
@@ -352,6 +371,25 @@ class DecodeLoop:
                 last_extension = time.monotonic()
             await asyncio.sleep(0.01)
 
+    async def _start_read(self, reserve_and_read: Callable[[LLMEngine], _Reserved]) -> _Reserved:
+        """Runs `reserve_and_read` on the engine thread. Cancelled meanwhile (the proxy gave the attempt up), it runs
+        all the same: a read it started is waited for before the cancellation goes on, since what follows it
+        frees the request's blocks (and bytes landing in freed blocks corrupt the next request's KV)."""
+        call = asyncio.ensure_future(self.engine.call(reserve_and_read))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            await _through_cancellation(self._drain_started(call))
+            raise
+
+    async def _drain_started(self, call: asyncio.Future[_Reserved]) -> None:
+        try:
+            request, _, handle = await call
+        except Exception:  # noqa: BLE001 - it raised, so it started no read
+            return
+        if handle is not None:
+            await self._drain(request.request_id, handle)
+
     def _remove_peer(self, handle: TransferHandle | None) -> None:
         try:
             if handle is not None:
@@ -359,14 +397,20 @@ class DecodeLoop:
         except TransferError as e:  # already removed (another request did it) or the connector is closed
             logger.debug("removing peer %s: %s", handle.peer if handle else None, e)
 
-    async def _drain(self, handle: TransferHandle) -> None:
+    async def _drain(self, request_id: str, handle: TransferHandle) -> None:
         """Waits until a read is over (DONE or FAILED: FAILED only once nothing more can land), so that blocks
         freed after it receive no more bytes."""
-        try:
-            while await self.engine.call(lambda _: self.connector.poll(handle)) is TransferStatus.PENDING:
-                await asyncio.sleep(POLL_INTERVAL_S)
-        except TransferError:
-            pass  # a closed connector has failed (and fenced) its reads
+        def over(_: LLMEngine) -> bool:
+            try:
+                if self.connector.poll(handle) is TransferStatus.PENDING:
+                    return False
+            except TransferError:
+                pass  # a closed connector has failed its reads, and its library is gone
+            self._reading.discard(request_id)
+            return True
+
+        while not await self.engine.call(over):
+            await asyncio.sleep(POLL_INTERVAL_S)
 
     def _verify(self, local: list[int], expected: tuple[str, ...]) -> list[int]:
         # KVTicket guarantees one checksum per block (a ticket without them never gets this far); each block is
@@ -376,8 +420,34 @@ class DecodeLoop:
         return mismatched_blocks(self.region, local, expected)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.engine.call(lambda e: self.engine.abort(e, request_id))
+        """Aborts a request (the proxy gave it up). One whose KV read is in flight keeps its blocks until the read
+        is over, since no transport can stop a read and its bytes would land in blocks given to other requests:
+        its transfer ends CANCELLED then, and frees them."""
+        def abort_now(engine: LLMEngine) -> bool:
+            if request_id in self._reading:
+                logger.debug("request %s: aborted with its KV read in flight: its blocks go back once it is over",
+                             request_id)
+                self._aborted_while_reading.add(request_id)
+                return True
+            return self.engine.abort(engine, request_id)
 
+        return await self.engine.call(abort_now)
+
+
+
+async def _through_cancellation(work: Awaitable[None]) -> None:
+    """Awaits `work` to its end even when cancelled again meanwhile (an RPC is cancelled, then its request aborted),
+    then raises CancelledError if it was: what follows frees blocks that `work` must see unused first."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _get(events: asyncio.Queue[StepOutput | StreamEnd], deadline: float | None) -> StepOutput | StreamEnd:

@@ -198,11 +198,13 @@ class Host:
         _ip("-n", self.namespace, "link", "set", self.device, "up")
         _wait_until_up(self.namespace, self.device)
 
-    def shape(self, rate: str = "10mbit") -> None:
-        """Caps the host's link at `rate` in both directions (tc tbf on both ends of its veth)."""
+    def shape(self, rate: str = "10mbit", latency: str = "50ms") -> None:
+        """Caps the host's link at `rate` in both directions (tc tbf on both ends of its veth). A packet that would
+        wait longer than `latency` in the queue is dropped: at a low rate a short one drops most packets, and TCP
+        backs off for seconds to minutes (a brownout); a long one only slows the link."""
         for namespace, device in ((self.namespace, self.device), (self._bridge_namespace, self._bridge_port)):
             subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root",
-                            "tbf", "rate", rate, "burst", "32kbit", "latency", "50ms"],
+                            "tbf", "rate", rate, "burst", "32kbit", "latency", latency],
                            check=True, capture_output=True, timeout=30)
 
     def unshape(self) -> None:

@@ -326,7 +326,7 @@ def stream_once(cluster: Cluster, prompt: list[int], behaviour: ClientBehaviour,
     body = {"prompt": prompt, "max_tokens": behaviour.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
     text, events, done, error = "", 0, False, None
-    status = 0
+    status, completion_id = 0, "?"
 
     def outcome(kind: Kind, detail: str = "", server_error: bool = False) -> Outcome:
         return Outcome(started, time.monotonic(), kind, status, detail, server_error)
@@ -353,6 +353,7 @@ def stream_once(cluster: Cluster, prompt: list[int], behaviour: ClientBehaviour,
                     error = event
                     continue
                 events += 1
+                completion_id = event.get("id", completion_id)
                 text += "".join(choice.get("text", "") for choice in event.get("choices", []))
                 if leave_after is not None and events > leave_after:
                     return outcome(Kind.LEFT)
@@ -370,7 +371,7 @@ def stream_once(cluster: Cluster, prompt: list[int], behaviour: ClientBehaviour,
         return outcome(Kind.CUT if proxy_killed() else Kind.UNCLEAR, "the stream ended without [DONE]")
     expected = cluster.expected_text(prompt, behaviour.max_tokens)
     if text != expected:
-        return outcome(Kind.CORRUPTED, f"got {text!r}, expected {expected!r}")
+        return outcome(Kind.CORRUPTED, f"{completion_id}: got {text!r}, expected {expected!r}")
     return outcome(Kind.OK)
 
 
