@@ -158,8 +158,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--fused-gate-up-silu", action=argparse.BooleanOptionalAction, default=True,
                         help="the gate_up GEMM with SiLU-and-mul in one Hopper kernel (engine/kernels/hopper_mlp.py)")
-    parser.add_argument("--hopper-down-proj", action=argparse.BooleanOptionalAction, default=False,
-                        help="the MLP's down projection split along K over a cluster (engine/kernels/hopper_mlp.py)")
     parser.add_argument("--hf", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3"))
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -200,7 +198,7 @@ def main() -> None:
               max_num_seqs=max(batches), max_num_batched_tokens=MAX_STEP_TOKENS,
               max_model_len=args.context + args.steps + 64 + prefill_steps(max(batches), args.context),
               skip_tokenizer_init=True, enforce_eager=args.eager, async_scheduling=not args.sync,
-              fused_gate_up_silu=args.fused_gate_up_silu, hopper_down_proj=args.hopper_down_proj,
+              fused_gate_up_silu=args.fused_gate_up_silu,
               kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=tp_size,
               enable_expert_parallel=args.enable_expert_parallel, all2all_backend=args.all2all_backend)
     model = llm.engine.runner.model

@@ -212,8 +212,6 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling (each step waits for its tokens)")
     parser.add_argument("--fused-gate-up-silu", action=argparse.BooleanOptionalAction, default=True,
                         help="the gate_up GEMM with SiLU-and-mul in one Hopper kernel (engine/kernels/hopper_mlp.py)")
-    parser.add_argument("--hopper-down-proj", action=argparse.BooleanOptionalAction, default=False,
-                        help="the MLP's down projection split along K over a cluster (engine/kernels/hopper_mlp.py)")
     parser.add_argument("--fused-max-rows", type=int, default=None,
                         help="take the fused kernel up to this many rows (prompt steps too), not the engine's limit")
     parser.add_argument("--out", default=None)
@@ -240,8 +238,7 @@ def main() -> None:
     llm = LLM(model=str(config_dir), dtype="bfloat16", load_format="dummy", max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len + args.output_len + 16, skip_tokenizer_init=True,
-              async_scheduling=not args.sync, fused_gate_up_silu=args.fused_gate_up_silu,
-              hopper_down_proj=args.hopper_down_proj)
+              async_scheduling=not args.sync, fused_gate_up_silu=args.fused_gate_up_silu)
     start_seconds = time.perf_counter() - started
     if args.gc_threshold is not None:
         import gc

@@ -259,10 +259,6 @@ class EngineConfig:
     # Hopper GPUs: the MLP's gate_up GEMM with SiLU-and-mul in its epilogue, one kernel, at decode batches of
     # 64-512 (engine/kernels/hopper_mlp.py, built with nvcc at start-up; without nvcc, cuBLAS + SiLU-and-mul)
     fused_gate_up_silu: bool = True
-    # Hopper GPUs: the MLP's down projection at decode batches of 64-256 split along K over a cluster of CTAs
-    # (engine/kernels/hopper_mlp.py). Off: not yet run on a GPU (no device could be had when it was written);
-    # `bash bench/h200/down_run.sh` measures it against cuBLAS and runs its tests
-    hopper_down_proj: bool = False
     # Schedule and launch step N+1 before reading step N's sampled tokens, so the host's work (scheduling,
     # input packing, output bookkeeping) overlaps the device's; outputs then come one step() later, and an
     # EOS or stop token ends its request one step late (the extra token is discarded). None: on for CUDA,

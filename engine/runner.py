@@ -107,12 +107,10 @@ class ModelRunner:
         fused = backend_name == "triton" and self.device.type == "cuda"
         self.model = build_model(model_cfg, self.dtype, self.device, max_model_len, cfg.load_format, cfg.seed,
                                  fused_kernels=fused, parallel=parallel)
-        if (fused and (cfg.fused_gate_up_silu or cfg.hopper_down_proj)
-                and hopper_mlp.device_supported(self.device)):  # built before the graphs
+        if fused and cfg.fused_gate_up_silu and hopper_mlp.device_supported(self.device):  # built before the graphs
             for module in self.model.modules():
                 if isinstance(module, MLP):
-                    module.gate_up_silu = cfg.fused_gate_up_silu
-                    module.hopper_down = cfg.hopper_down_proj
+                    module.gate_up_silu = True
         self.backend = make_attention_backend(backend_name)
         use_graphs = self.device.type == "cuda" and not cfg.enforce_eager and not parallel.is_parallel
         graph_batch = min(cfg.max_graph_batch_size, cfg.max_num_seqs) if use_graphs else 0

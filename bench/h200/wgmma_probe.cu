@@ -9,12 +9,12 @@
 // memory), keeping one wgmma group in flight, and store bf16 straight from the accumulators. Tiles are numbered
 // token tile fastest, so the CTAs sharing a W tile run at the same time and W comes from HBM once. With SPLIT > 1
 // each tile's K range is split in SPLIT parts that add fp32 partials into a workspace (then one conversion pass):
-// for the narrow shapes (qkv, o_proj, down) whose tiles alone do not fill 132 multiprocessors. Those shapes are
-// also timed through the engine's split-K-over-a-cluster down projection (engine/kernels/hopper_mlp.cu, linked in).
+// for the narrow shapes (qkv, o_proj, down) whose tiles alone do not fill 132 multiprocessors. (The engine's own
+// split-K-over-a-cluster down projection, once linked in here, lost to cuBLAS on an H100 and was removed.)
 //
 //   python3 bench/h200/wgmma_gen.py > bench/h200/wgmma_ops.h   (committed; regenerate after editing the generator)
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/wgmma_probe bench/h200/wgmma_probe.cu \
-//        engine/kernels/hopper_mlp.cu -I<cublas include> -L<cublas lib> -lcublas && /tmp/wgmma_probe [M]
+//        -I<cublas include> -L<cublas lib> -lcublas && /tmp/wgmma_probe [M]
 #include <cublas_v2.h>
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -29,10 +29,6 @@
 
 #include "../../engine/kernels/hopper_ptx.cuh"
 #include "wgmma_ops.h"
-
-// engine/kernels/hopper_mlp.cu's entry point (error codes: 0 ok, -1 shape, -2 tensor map, > 0 cudaError_t)
-extern "C" int tandem_down_proj(const void* x, const void* w, void* out, int m, int n, int k, int device,
-                                void* stream);
 
 #define CHECK_CUDA(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
     std::printf("cuda error %s at %d\n", cudaGetErrorString(e), __LINE__); std::exit(1); } } while (0)
@@ -307,16 +303,6 @@ void launch(const Problem& p, int copy, int num_sms, cudaStream_t stream) {
   if (SPLIT > 1) to_bf16<<<num_sms * 4, 256, 0, stream>>>(p.partial, p.out, size_t(p.m) * p.n);
 }
 
-// the engine's down projection (engine/kernels/hopper_mlp.cu, linked in): split-K over a cluster, the split
-// picked by its launcher; timed as the engine calls it, so the probe measures exactly what ships
-void launch_engine_down(const Problem& p, int copy, int, cudaStream_t stream) {
-  const int err = tandem_down_proj(p.x, p.weights[copy], p.out, p.m, p.n, p.k, 0, stream);
-  if (err) {
-    std::printf("tandem_down_proj failed with code %d\n", err);
-    std::exit(1);
-  }
-}
-
 template <typename Fn>
 float time_us(Fn&& fn, int copies, int reps, cudaStream_t stream) {
   for (int i = 0; i < 3; ++i) fn(i % copies);
@@ -355,7 +341,6 @@ struct Variant {
 
 #define VARIANT(BN, ST, SP, CL) \
   Variant{#BN " " #ST "st split" #SP " cluster" #CL, launch<BN, ST, SP, CL, false>, BN, SP, CL, false}
-#define ENGINE_DOWN_VARIANT Variant{"engine down_proj", launch_engine_down, 128, 1, 1, false}
 #define SILU_VARIANT(BN, ST, CL) \
   Variant{#BN " " #ST "st cluster" #CL " +silu", launch<BN, ST, 1, CL, true>, BN, 1, CL, true}
 
@@ -386,9 +371,9 @@ int main(int argc, char** argv) {
                                 VARIANT(256, 4, 1, 2), VARIANT(128, 6, 1, 2)}},
       {"lm_head", 128256, 4096, {VARIANT(224, 4, 1, 1), VARIANT(256, 4, 1, 2), VARIANT(224, 5, 1, 2),
                                  VARIANT(128, 6, 1, 2)}},
-      {"down", 4096, 14336, {VARIANT(64, 8, 1, 2), ENGINE_DOWN_VARIANT}},
-      {"qkv", 6144, 4096, {VARIANT(96, 7, 1, 1), VARIANT(96, 7, 1, 2), ENGINE_DOWN_VARIANT}},
-      {"o_proj", 4096, 4096, {VARIANT(64, 8, 1, 1), VARIANT(64, 8, 1, 2), ENGINE_DOWN_VARIANT}},
+      {"down", 4096, 14336, {VARIANT(64, 8, 1, 2)}},
+      {"qkv", 6144, 4096, {VARIANT(96, 7, 1, 1), VARIANT(96, 7, 1, 2)}},
+      {"o_proj", 4096, 4096, {VARIANT(64, 8, 1, 1), VARIANT(64, 8, 1, 2)}},
   };
   const char* only = argc > 2 ? argv[2] : nullptr;  // a shape name: only that shape
   for (const Shape& shape : shapes) {

@@ -2,7 +2,8 @@
 // silu(x @ W_gate^T) * (x @ W_up^T), where W = [W_gate; W_up] is the fused [2I, K] projection. The [M, 2I] product
 // never goes to memory, and the separate SiLU-and-mul launch disappears. At decode batches of 64-512 this runs
 // 1.03-1.17x faster on an H100 than cuBLAS's GEMM followed by the SiLU-and-mul kernel (bench/h200/hopper_mlp_probe.py,
-// bench/results/engine-speed-2026-12-06-hopper-mlp.md).
+// bench/results/engine-speed-2026-12-06-hopper-mlp.md). A split-K down_proj kernel that lived here was removed:
+// on an H100 it lost to cuBLAS (0.74x at M = 64, 0.81x at 128, 1.03x at 256, 0.94x at 512; o_proj 0.97x).
 //
 // Persistent and warp-specialized: one producer warpgroup issues TMA loads (128-byte swizzle) of a 128-token x
 // tile and of 112 gate rows + the same 112 up rows of W per 64-wide K block into a 5-stage ring guarded by
@@ -15,7 +16,7 @@
 // float32 rounded to bf16, the product in float32 rounded to bf16), with the same approximate exp and division as
 // the Triton kernel, so the result matches the unfused path's to the last bit wherever the GEMMs round alike.
 //
-// Built by engine/kernels/hopper_mlp.py with nvcc at first use; host entry points are extern "C" (ctypes).
+// Built by engine/kernels/hopper_mlp.py with nvcc at first use; the host entry point is extern "C" (ctypes).
 #include <cuda_bf16.h>
 
 #include "hopper_ptx.cuh"
@@ -34,13 +35,6 @@ __device__ __forceinline__ void wgmma_n224(float (&d)[112], uint64_t desc_a, uin
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
     "wgmma.mma_async.sync.aligned.m64n224k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111}, %112, %113, p, 1, 1, 0, 0;\n}\n"
     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111])
-    : "l"(desc_a), "l"(desc_b));
-}
-
-__device__ __forceinline__ void wgmma_n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-    "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
     : "l"(desc_a), "l"(desc_b));
 }
 
@@ -176,172 +170,6 @@ gate_up_silu_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_cons
   }
 }
 
-// ---- down_proj: x[M, K] @ W[N, K]^T at decode batches, split-K across a cluster ----
-//
-// At M = 256 down's tiles of 128 x 128 are only 64, too few for 132 multiprocessors, and tiles 64 wide are bound by
-// shared-memory reads (m64n64k16 reads as many operand bytes per cycle as shared memory gives). So each tile's K
-// range is split over the SPLIT CTAs of a cluster, which run at once; after the main loop the parts are added
-// through distributed shared memory, with no workspace and no extra launch: CTA r owns the r-th SPLIT-th of the
-// tile's columns, every CTA sends the other parts of its accumulators into their owners' stage memory (idle by
-// then), and each owner adds and stores its own. Not persistent: one CTA per (token tile, W tile, K part).
-// The sum's order differs from cuBLAS's, so the outputs match it to float32 rounding, not to the bit.
-constexpr int DOWN_BN = 128;
-constexpr int DOWN_STAGES = 6;  // (16 + 16) KiB a stage
-
-struct DownSmem {
-  alignas(1024) __nv_bfloat16 x[DOWN_STAGES][BM * BK];
-  alignas(1024) __nv_bfloat16 w[DOWN_STAGES][DOWN_BN * BK];
-  uint64_t full[DOWN_STAGES];
-  uint64_t empty[DOWN_STAGES];
-};
-
-constexpr size_t DOWN_SMEM_BYTES = sizeof(DownSmem) + 1024;
-
-template <int SPLIT>
-__global__ void __launch_bounds__(THREADS, 1)
-down_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
-            __nv_bfloat16* __restrict__ out, int M, int N, int K) {
-  constexpr int PART = DOWN_BN / 2 / SPLIT;  // accumulators a thread holds of each CTA's columns
-  static_assert(PART % 4 == 0, "parts are sent as float4");
-  static_assert(size_t(SPLIT - 1) * 2 * PART * 128 * 4 <= sizeof(DownSmem::x) + sizeof(DownSmem::w),
-                "the exchange fits in the stage memory");
-  extern __shared__ uint8_t raw_smem[];
-  auto& s = *reinterpret_cast<DownSmem*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
-  const int m_tiles = (M + BM - 1) / BM;
-  const int tile = blockIdx.x / SPLIT;
-  const int rank = SPLIT == 1 ? 0 : int(cluster_rank());  // the K part (the cluster runs along x)
-  const int m_tile = tile % m_tiles, n_tile = tile / m_tiles;  // token tile fastest: the CTAs sharing W run together
-  const int k_blocks = K / BK / SPLIT;
-  const int warpgroup = threadIdx.x / 128;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < DOWN_STAGES; ++i) {
-      mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warpgroup == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-    if (threadIdx.x == 0) {
-      uint64_t keep, stream;
-      asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(keep));
-      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(stream));
-      for (int step = 0; step < k_blocks; ++step) {
-        const int stage = step % DOWN_STAGES, kb = rank * k_blocks + step;
-        if (step >= DOWN_STAGES) mbar_wait(&s.empty[stage], ((step / DOWN_STAGES) - 1) & 1);
-        mbar_expect_tx(&s.full[stage], (BM + DOWN_BN) * BK * 2);
-        tma_load(&x_map, s.x[stage], &s.full[stage], kb * BK, m_tile * BM, keep);
-        tma_load(&w_map, s.w[stage], &s.full[stage], kb * BK, n_tile * DOWN_BN, stream);
-      }
-    }
-    if (SPLIT > 1) {  // the cluster barriers below count every thread
-      __syncwarp();
-      cluster_sync();
-      cluster_sync();
-    }
-    return;
-  }
-
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  const int consumer = warpgroup - 1;
-  const int lane = threadIdx.x % 32;
-  const int warp = (threadIdx.x % 128) / 32;
-  float acc[DOWN_BN / 2];
-#pragma unroll
-  for (int i = 0; i < DOWN_BN / 2; ++i) acc[i] = 0.f;
-  for (int step = 0; step < k_blocks; ++step) {
-    const int stage = step % DOWN_STAGES;
-    mbar_wait(&s.full[stage], (step / DOWN_STAGES) & 1);
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-    const uint64_t a = smem_desc(&s.x[stage][consumer * 64 * BK]);
-    const uint64_t b = smem_desc(&s.w[stage][0]);
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) wgmma_n128(acc, a + 2 * kk, b + 2 * kk);
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-    if (step > 0 && lane == 0) mbar_arrive(&s.empty[(step - 1) % DOWN_STAGES]);
-  }
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-
-  // the exchange, in the stage memory: float4 q of (source slot, consumer) for thread t, rows of 128 float4
-  // (conflict-free); the source slot is the sender's rank with the owner's own left out
-  float4* exchange = reinterpret_cast<float4*>(&s.x[0][0]);
-  const int t = threadIdx.x % 128;
-  auto slot = [&](int source_slot, int q) {
-    return exchange + ((source_slot * 2 + consumer) * (PART / 4) + q) * 128 + t;
-  };
-  if (SPLIT > 1) {
-    cluster_sync();  // every CTA of the cluster is out of its main loop: its stage memory is free
-#pragma unroll
-    for (int owner = 0; owner < SPLIT; ++owner) {
-      if (owner == rank) continue;
-      const int source_slot = rank < owner ? rank : rank - 1;
-#pragma unroll
-      for (int q = 0; q < PART / 4; ++q) {
-        uint32_t remote;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(slot(source_slot, q))),
-                     "r"(owner));
-        const int i = owner * PART + 4 * q;  // a constant once unrolled: acc stays in registers
-        asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "f"(acc[i]),
-                     "f"(acc[i + 1]), "f"(acc[i + 2]), "f"(acc[i + 3])
-                     : "memory");
-      }
-    }
-    cluster_sync();  // every part has arrived
-  }
-  // accumulator i = 4j + 2 half + e: row warp*16 + lane/4 + 8 half, column 8j + 2(lane%4) + e
-  const int row0 = m_tile * BM + consumer * 64 + warp * 16 + lane / 4;
-#pragma unroll
-  for (int owner = 0; owner < SPLIT; ++owner) {
-    if (owner != rank) continue;
-#pragma unroll
-    for (int q = 0; q < PART / 4; ++q) {
-      const int i = owner * PART + 4 * q;
-      float v[4] = {acc[i], acc[i + 1], acc[i + 2], acc[i + 3]};
-#pragma unroll
-      for (int source_slot = 0; source_slot < SPLIT - 1; ++source_slot) {
-        const float4 other = *slot(source_slot, q);
-        v[0] += other.x, v[1] += other.y, v[2] += other.z, v[3] += other.w;
-      }
-      const int col = n_tile * DOWN_BN + 8 * (i / 4) + 2 * (lane % 4);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = row0 + 8 * half;
-        if (row < M)
-          *reinterpret_cast<__nv_bfloat162*>(out + size_t(row) * N + col) =
-              __floats2bfloat162_rn(v[2 * half], v[2 * half + 1]);
-      }
-    }
-  }
-}
-
-template <int SPLIT>
-int launch_down(const CUtensorMap& x_map, const CUtensorMap& w_map, void* out, int m, int n, int k, int device,
-                cudaStream_t stream) {
-  static bool configured[64] = {};
-  if (!configured[device]) {
-    cudaError_t err = cudaFuncSetAttribute(down_kernel<SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(DOWN_SMEM_BYTES));
-    if (err != cudaSuccess) return int(err);
-    configured[device] = true;
-  }
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = SPLIT;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.gridDim = dim3((m + BM - 1) / BM * (n / DOWN_BN) * SPLIT);
-  config.blockDim = dim3(THREADS);
-  config.dynamicSmemBytes = DOWN_SMEM_BYTES;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = SPLIT > 1;  // a cluster attribute of 1 made a plain launch ~20% slower (measured)
-  return int(cudaLaunchKernelEx(&config, down_kernel<SPLIT>, x_map, w_map, static_cast<__nv_bfloat16*>(out), m, n, k));
-}
-
 }  // namespace
 
 // Error codes: 0 ok; -1 a shape the kernel does not take; -2 no tensor map; > 0 a cudaError_t.
@@ -367,24 +195,4 @@ extern "C" int tandem_gate_up_silu(const void* x, const void* w, void* out, int 
   gate_up_silu_kernel<<<tiles < num_sms ? tiles : num_sms, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
       x_map, w_map, static_cast<__nv_bfloat16*>(out), m, inter, k);
   return int(cudaGetLastError());
-}
-
-// out[M, N] = x[M, K] @ W[N, K]^T. The split is the largest of 4, 2, 1 whose CTAs fit the multiprocessors in one
-// wave (and divides K's blocks). Error codes as above.
-extern "C" int tandem_down_proj(const void* x, const void* w, void* out, int m, int n, int k, int device,
-                                void* stream) {
-  if (m <= 0 || k <= 0 || k % BK || n <= 0 || n % DOWN_BN || device < 0 || device >= 64) return -1;
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return int(err);
-  CUtensorMap x_map, w_map;
-  if (!tensor_map(&x_map, x, m, k, BM) || !tensor_map(&w_map, w, n, k, DOWN_BN)) return -2;
-  int num_sms = 0;
-  err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return int(err);
-  const int tiles = (m + BM - 1) / BM * (n / DOWN_BN);
-  const int k_blocks = k / BK;
-  const auto s = static_cast<cudaStream_t>(stream);
-  if (tiles * 4 <= num_sms && k_blocks % 4 == 0) return launch_down<4>(x_map, w_map, out, m, n, k, device, s);
-  if (tiles * 2 <= num_sms && k_blocks % 2 == 0) return launch_down<2>(x_map, w_map, out, m, n, k, device, s);
-  return launch_down<1>(x_map, w_map, out, m, n, k, device, s);
 }

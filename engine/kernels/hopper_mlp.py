@@ -1,5 +1,8 @@
 """The MLP's gate_up projection with SiLU-and-mul fused into its epilogue, on Hopper GPUs (hopper_mlp.cu).
 
+A split-K down_proj kernel was removed after losing to cuBLAS on an H100 (0.74x at M=64, 0.81x at 128, 1.03x at
+256, 0.94x at 512; o_proj 0.97x): the down projection stays F.linear (cuBLAS). Do not re-add it without a win.
+
 At decode batches of 64-512 the gate_up GEMM is (nearly) compute-bound, and cuBLAS's GEMM followed by the
 SiLU-and-mul kernel writes and re-reads the [M, 2I] product; the fused kernel writes only [M, I] and runs the whole
 projection 1.03-1.17x faster on an H100 (bench/h200/hopper_mlp_probe.py), with bit-equal outputs there. The CUDA
@@ -17,7 +20,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,9 +34,6 @@ HALF_TILE = 112  # gate (and up) rows a tile takes
 # 1.03x at 64, 1.07x at 128, 1.17x at 256, 1.03x at 512; even at 1024, 0.98x at 2048-4096, 0.90x at 8192, where
 # cuBLAS's larger tiles win): decode batches, not prompt steps
 MIN_ROWS, MAX_ROWS = 64, 512
-DOWN_TILE = 128  # W rows (output features) a down_proj tile takes
-# PROVISIONAL until measured: the rows where the split-K down_proj beats cuBLAS
-DOWN_MIN_ROWS, DOWN_MAX_ROWS = 64, 256
 
 _library: ctypes.CDLL | None = None
 _load_failed = False
@@ -86,10 +85,9 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("the fused gate_up + SiLU-and-mul kernel is off (cuBLAS + SiLU-and-mul instead): %s", detail)
         _load_failed = True
         return None
-    for entry in (library.tandem_gate_up_silu, library.tandem_down_proj):
-        entry.restype = ctypes.c_int
-        entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    library.tandem_gate_up_silu.restype = ctypes.c_int
+    library.tandem_gate_up_silu.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     _library = library
     return library
 
@@ -110,12 +108,6 @@ def shape_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.shape[0] % (2 * HALF_TILE) == 0)
 
 
-def down_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `down_proj` takes these operands: as `shape_supported`, N a multiple of 128 and a row count where
-    the split-K kernel was measured to win (per step; the device is `device_supported`'s)."""
-    return _operands(x, weight) and DOWN_MIN_ROWS <= x.shape[0] <= DOWN_MAX_ROWS and weight.shape[0] % DOWN_TILE == 0
-
-
 def device_supported(device: torch.device) -> bool:
     """A Hopper GPU (sm_90) and a kernel that builds and loads (nvcc runs here at the first call)."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
@@ -126,26 +118,15 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [M, K]; weight: [2I, K] (gate rows then up rows) -> silu(x @ gate^T) * (x @ up^T): [M, I]. Callers
     check `device_supported` once and `shape_supported` per call; operands it does not take are a ValueError here,
     never a launch on pointers the kernel cannot read."""
-    return _launch("gate_up_silu", shape_supported, x, weight, weight.shape[0] // 2)
-
-def down_proj(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [M, K]; weight: [N, K] -> x @ weight^T: [M, N], split-K over a cluster (hopper_mlp.cu's down_kernel), the
-    sum in float32 in another order than cuBLAS's. Callers check `device_supported` once and `down_supported` per
-    call; operands it does not take are a ValueError here."""
-    return _launch("down_proj", down_supported, x, weight, weight.shape[0])
-
-
-def _launch(name: str, supported: Callable[[torch.Tensor, torch.Tensor], bool], x: torch.Tensor,
-            weight: torch.Tensor, out_features: int) -> torch.Tensor:
     library = _load() if device_supported(x.device) else None
-    if library is None or not supported(x, weight):
-        raise ValueError(f"{name} does not take x {tuple(x.shape)} {x.dtype} on {x.device}, "
+    if library is None or not shape_supported(x, weight):
+        raise ValueError(f"gate_up_silu does not take x {tuple(x.shape)} {x.dtype} on {x.device}, "
                          f"weight {tuple(weight.shape)}")
     rows, k = x.shape
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, weight.shape[0] // 2, dtype=x.dtype, device=x.device)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    err = getattr(library, f"tandem_{name}")(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows,
-                                             weight.shape[0], k, x.device.index, stream)
+    err = library.tandem_gate_up_silu(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], k,
+                                      x.device.index, stream)
     if err:
-        raise RuntimeError(f"{name} kernel failed with code {err}")
+        raise RuntimeError(f"gate_up_silu kernel failed with code {err}")
     return out

@@ -85,13 +85,12 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * intermediate, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, cfg.mlp_bias, parallel)
         self.fused = fused
-        # the Hopper kernels of engine/kernels/hopper_mlp.py; the runner turns them on
+        # the Hopper kernel of engine/kernels/hopper_mlp.py; the runner turns it on
         self.gate_up_silu = False
-        self.hopper_down = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the flags first (on the CPU the projections may be packed layers with no `weight`); the runner set them
-        # only where hopper_mlp.device_supported, so only the shapes are left to check here
+        # the flag first (on the CPU the projections may be packed layers with no `weight`); the runner set it
+        # only where hopper_mlp.device_supported, so only the shape is left to check here
         if (self.gate_up_silu and self.gate_up_proj.bias is None
                 and hopper_mlp.shape_supported(x, self.gate_up_proj.weight)):
             hidden = hopper_mlp.gate_up_silu(x, self.gate_up_proj.weight)
@@ -100,9 +99,6 @@ class MLP(nn.Module):
             if self.fused and x.shape[0] == 1:
                 return linear(self.down_proj, gate_up, self.fused, silu_mul_input=True)
             hidden = silu_and_mul(gate_up, self.fused)
-        if (self.hopper_down and self.down_proj.bias is None
-                and hopper_mlp.down_supported(hidden, self.down_proj.weight)):
-            return self.down_proj.parallel.all_reduce(hopper_mlp.down_proj(hidden, self.down_proj.weight))
         return self.down_proj(hidden)
 
 
