@@ -9,6 +9,10 @@ For each placement (same host, across hosts) and link rate (tc tbf on host A's l
 streaming requests of 2 output tokens through the proxy, every request disaggregated. Per point: the decode node's
 pulled bytes and pull seconds (its Stats: bytes / seconds = the handoff's bandwidth), and the client's TTFT and
 first-to-second-token time (the second token waits for the pull). Prints a table; writes the points as JSON.
+
+With `--serving`: serving under load instead, with `tandem bench serve` from host C (random prompts, the proxy's own
+routing): 1P+1D across hosts (P on A, D on B), 1P+1D on one host (both on A), and one colocated node on B (the
+proxy knows no prefill node: the decode node prefills every prompt). One result file per placement beside --out.
 """
 
 from __future__ import annotations
@@ -127,6 +131,43 @@ def measure(placement: str, model: str, backend: str, rates: list[str], lengths:
     return points
 
 
+def _bench_serve(host: Host, url: str, model: str, label: str, out_dir: Path, args: argparse.Namespace) -> None:
+    argv = [sys.executable, "-m", "cluster.cli", "bench", "serve", "--base-url", url, "--tokenizer", model,
+            "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+            str(args.output_len), "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
+            "--ignore-eos", "--seed", "7", "--num-warmups", "2", "--disable-tqdm", "--label", label, "--save-result",
+            "--result-dir", str(out_dir), "--result-filename", f"{label}.json"]
+    process = host.run(argv, env=host_environment(), log_path=out_dir / f"{label}.log", cwd=ROOT)
+    if process.wait(1800) != 0:
+        raise RuntimeError(f"tandem bench serve ({label}) failed:\n{(out_dir / f'{label}.log').read_text()[-3000:]}")
+
+
+def serving(model: str, backend: str, placement: str, out_dir: Path, args: argparse.Namespace) -> None:
+    with Hosts(3) as hosts:
+        a, b, c = hosts
+        node = ["--model", model, "--dtype", "float32", "--kv-backend", backend, "--ucx-devices", "eth0",
+                "--max-model-len", "4096", "--log-level", "INFO"]
+        routing = []
+        if placement != "colocated":  # the box's cores split between the two nodes, as a colocated node has them all
+            node += ["--num-threads", str(args.pd_node_threads)]
+            decode_host = a if placement == "pd-same-host" else b
+            _start(a, ["prefill_node", *node, "--host", a.ip, "--port", str(PREFILL_PORT)],
+                   out_dir / f"{placement}-p.log")
+            routing += ["--prefill", f"{a.ip}:{PREFILL_PORT}", "--colocate-max-tokens", "0"]
+        else:
+            decode_host = b
+        _start(decode_host, ["decode_node", *node, "--host", decode_host.ip, "--port", str(DECODE_PORT)],
+               out_dir / f"{placement}-d.log")
+        for role in ("d",) if placement == "colocated" else ("p", "d"):
+            _wait(out_dir / f"{placement}-{role}.log", "READY")
+        _start(c, ["proxy", "--model", model, "--host", c.ip, "--port", str(PROXY_PORT), *routing, "--decode",
+                   f"{decode_host.ip}:{DECODE_PORT}", "--request-timeout", "600", "--log-level", "warning"],
+               out_dir / f"{placement}-proxy.log")
+        url = f"http://{c.ip}:{PROXY_PORT}"
+        c.call(_wait_healthy, url)
+        _bench_serve(c, url, model, placement, out_dir, args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -135,6 +176,14 @@ def main() -> None:
     parser.add_argument("--rates", default="unshaped,1gbit,100mbit")
     parser.add_argument("--prompt-tokens", default="256,1024")
     parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--serving", action="store_true", help="tandem bench serve per placement instead")
+    parser.add_argument("--placements", default="pd-across-hosts,pd-same-host,colocated", help="with --serving")
+    parser.add_argument("--num-prompts", type=int, default=32, help="with --serving")
+    parser.add_argument("--concurrency", type=int, default=4, help="with --serving")
+    parser.add_argument("--input-len", type=int, default=256, help="with --serving")
+    parser.add_argument("--output-len", type=int, default=64, help="with --serving")
+    parser.add_argument("--pd-node-threads", type=int, default=1,
+                        help="with --serving: torch threads of each P/D node (a colocated node keeps torch's default)")
     args = parser.parse_args()
     if args.model is None:
         from cluster.models import resolve_model
@@ -142,6 +191,10 @@ def main() -> None:
         args.model = str(resolve_model(None, None)[0])
     log_dir = args.out.with_suffix(".logs")
     log_dir.mkdir(parents=True, exist_ok=True)
+    if args.serving:
+        for placement in args.placements.split(","):
+            serving(args.model, args.backend, placement, log_dir, args)
+        return
     lengths = [int(x) for x in args.prompt_tokens.split(",")]
     rates = args.rates.split(",")
     points = [*measure("same-host", args.model, args.backend, rates, lengths, args.requests, log_dir),
