@@ -113,11 +113,11 @@ def kv_blocks(args: argparse.Namespace, model: Path, dtype_bytes: int, gpu_total
         return (1024, 1024, 1024) if args.gpus == 2 else (512, 1024, 1536)
     total = args.gpu_memory_gib * GIB if args.gpu_memory_gib else gpu_total_bytes
     assert total, "a GPU run knows the GPU's memory"
-    # The engine builds the model in float32 and then casts it: the float32 storage stays in the process's CUDA
-    # cache (released only when that process itself runs short, never for the other node), about one more copy of
-    # the bf16 weights. Counted here so the two nodes' pools fit next to it.
+    # The weights and a reserve per node (activations, CUDA graphs, the transfer library's buffers). The engine
+    # builds the model in its dtype and empties torch's cache after loading (engine/model/loader.py); it used to
+    # build in float32 and cast, leaving a float32 copy cached that this plan had to count twice over.
     weights = num_parameters(model) * dtype_bytes
-    per_node = weights + (weights if dtype_bytes < 4 else 0) + args.node_reserve_gib * GIB
+    per_node = weights + args.node_reserve_gib * GIB
     if args.gpus == 2:  # a GPU per node in both modes: each node's pool is what its GPU has left
         block_bytes = kv_block_bytes(model, args.block_size, dtype_bytes)
         per_gpu = int((total * args.memory_fraction - per_node) // block_bytes)
