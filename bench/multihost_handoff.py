@@ -75,18 +75,6 @@ def _decode_stats(address: str) -> tuple[int, float, int]:
     return s.kv_transfer_bytes, s.kv_transfer_seconds_sum, s.kv_transfer_count
 
 
-def _wait_healthy(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not healthy")
-
-
 def measure(placement: str, model: str, backend: str, rates: list[str], lengths: list[int], requests: int,
             log_dir: Path) -> list[dict[str, Any]]:
     points: list[dict[str, Any]] = []
@@ -104,7 +92,7 @@ def measure(placement: str, model: str, backend: str, rates: list[str], lengths:
                    f"{a.ip}:{PREFILL_PORT}", "--decode", f"{decode_host.ip}:{DECODE_PORT}", "--colocate-max-tokens",
                    "0", "--request-timeout", "120", "--log-level", "warning"], log_dir / f"{placement}-proxy.log")
         url = f"http://{c.ip}:{PROXY_PORT}"
-        c.call(_wait_healthy, url)
+        c.wait_healthy(url)
         rng = random.Random(11)
         for rate in rates if placement == "across-hosts" else ["same host"]:
             if rate not in ("unshaped", "same host"):
@@ -164,7 +152,7 @@ def serving(model: str, backend: str, placement: str, out_dir: Path, args: argpa
                    f"{decode_host.ip}:{DECODE_PORT}", "--request-timeout", "600", "--log-level", "warning"],
                out_dir / f"{placement}-proxy.log")
         url = f"http://{c.ip}:{PROXY_PORT}"
-        c.call(_wait_healthy, url)
+        c.wait_healthy(url)
         _bench_serve(c, url, model, placement, out_dir, args)
 
 

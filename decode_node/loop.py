@@ -36,8 +36,8 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
+from decode_node.leases import LeaseCheck, LeaseClient
 from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd
 from engine.llm_engine import LLMEngine
 from engine.request import Request
@@ -74,44 +74,6 @@ class DecodeOutput:
     stop_token_id: int | None = None
     num_cached_tokens: int | None = None  # a colocated request's prefix hit here, on its first output
     prompt_logprobs: PromptLogprobs | None = None  # a colocated request's, when asked, on its first output
-
-
-class LeaseClient(Protocol):
-    """How D talks to P about a ticket (over gRPC: clients.py)."""
-
-    async def extend(self, ticket: KVTicket, seconds: float) -> bool:
-        """Extends the ticket's lease on P; False when the ticket is not live there."""
-
-    async def release(self, ticket: KVTicket) -> bool:
-        """Frees the ticket's blocks on P."""
-
-
-class _LeaseCheck:
-    """D's extension of a ticket's lease on P, in flight while D reserves and pulls."""
-
-    def __init__(self, future: asyncio.Future[bool]) -> None:
-        self.future = future
-        # set on the event loop, read on the engine thread (a plain attribute: no asyncio call from there)
-        self.confirmed = False
-        future.add_done_callback(self._answered)
-
-    def _answered(self, future: asyncio.Future[bool]) -> None:
-        self.confirmed = not future.cancelled() and future.exception() is None and future.result() is True
-
-    @property
-    def answered_not_live(self) -> bool:
-        return self.future.done() and not self.confirmed
-
-    async def live(self) -> bool:
-        try:
-            return bool(await asyncio.shield(self.future))
-        except Exception:  # noqa: BLE001 - the lease client reports RPC failures as False; anything else: not live
-            return False
-
-    @staticmethod
-    def not_live_error(ticket: KVTicket) -> DecodeError:
-        return DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} is not live on its prefill node "
-                                                  "(released, expired, or the node restarted)", retryable=True)
 
 
 class DecodeLoop:
@@ -154,7 +116,7 @@ class DecodeLoop:
             await self.engine.compile_structured_output(params)
         except ValueError as e:
             raise DecodeError("INVALID_ARGUMENT", str(e)) from e
-        lease = _LeaseCheck(asyncio.ensure_future(self.leases.extend(ticket, LEASE_EXTENSION_S)))
+        lease = LeaseCheck(asyncio.ensure_future(self.leases.extend(ticket, LEASE_EXTENSION_S)))
         events = self.engine.open_stream(request_id)
         try:
             first = SampledToken(first_token, first_logprobs)
@@ -164,7 +126,7 @@ class DecodeLoop:
             except BaseException as e:
                 await asyncio.shield(self.engine.call(lambda eng: eng.abort(request_id)))
                 if not isinstance(e, asyncio.CancelledError) and not await lease.live():
-                    raise lease.not_live_error(ticket) from e
+                    raise _not_live_error(ticket) from e
                 raise
             # P frees the blocks in the background: the second token need not wait for that round trip
             release = asyncio.ensure_future(self.leases.release(ticket))
@@ -241,7 +203,7 @@ class DecodeLoop:
         await asyncio.shield(self.engine.call(forget))
 
     async def _transfer(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                        ticket: KVTicket, first: SampledToken, lease: _LeaseCheck, deadline: float | None
+                        ticket: KVTicket, first: SampledToken, lease: LeaseCheck, deadline: float | None
                         ) -> tuple[Request, StepOutput]:
         """Reserves blocks, pulls and verifies the ticket's blocks and admits the request, in as few hops to
         the engine thread as it takes (each waits for a running step): reserve + read in one, then polls, the
@@ -270,7 +232,7 @@ class DecodeLoop:
                 if status is not TransferStatus.PENDING:
                     break
                 if not stop and lease.answered_not_live:
-                    stop.append(lease.not_live_error(ticket))
+                    stop.append(_not_live_error(ticket))
                     # P restarted, died or dropped the ticket: its reads are doomed. Removing the peer gives them
                     # up (each ends FAILED once nothing more can land in its blocks; it is added again by the next
                     # ticket that names it).
@@ -310,7 +272,7 @@ class DecodeLoop:
         admitted_in_poll = admitted is not None
         if admitted is None:  # the lease's answer came after the blocks
             if not await lease.live():
-                raise lease.not_live_error(ticket)
+                raise _not_live_error(ticket)
             try:
                 admitted = await self.engine.call(lambda e: e.admit_remote_kv(request_id, first))
             except ValueError as e:
@@ -433,6 +395,11 @@ class DecodeLoop:
 
         return await self.engine.call(abort_now)
 
+
+
+def _not_live_error(ticket: KVTicket) -> DecodeError:
+    return DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} is not live on its prefill node "
+                                              "(released, expired, or the node restarted)", retryable=True)
 
 
 async def _through_cancellation(work: Awaitable[None]) -> None:

@@ -187,17 +187,14 @@ class BlockConnector(Connector):
         peer_id = PeerId(envelope.agent_name)
         if peer_id == self._agent_name:
             raise InvalidRequestError("a connector cannot add itself as a peer")
-        departing = self._departing.pop(peer_id, None)
-        if departing is not None:
-            if departing.metadata == bytes(metadata):  # removed while its reads end: the library still has it
-                self._peers[peer_id] = departing
-                return peer_id
-            self._disconnect(departing)  # same name, new metadata: the peer re-registered (its old reads orphaned)
-        existing = self._peers.get(peer_id)
-        if existing is not None:
-            if existing.metadata == bytes(metadata):
-                return peer_id
-            self.remove_peer(peer_id)  # same name, new metadata: the peer re-registered (its reads orphaned)
+        known = self._peers.get(peer_id) or self._departing.get(peer_id)
+        if known is not None and known.metadata == bytes(metadata):
+            # known, or removed while its reads end (the library still has it): in use again as it is
+            self._peers[peer_id] = self._departing.pop(peer_id, known)
+            return peer_id
+        if known is not None:  # same name, new metadata: the peer re-registered; reads from the old one are orphaned
+            if peer_id in self._peers:
+                self.remove_peer(peer_id)
             if (old := self._departing.pop(peer_id, None)) is not None:
                 self._disconnect(old)
         self._peers[peer_id] = Peer(peer_id, envelope, bytes(metadata), self._connect_peer(envelope))

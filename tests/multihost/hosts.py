@@ -190,6 +190,23 @@ class Host:
             raise outcome["error"]
         return outcome["value"]  # type: ignore[no-any-return]
 
+    def wait_healthy(self, url: str, timeout: float = 120.0) -> None:
+        """Returns once `url`/health answers 200 from this host (TimeoutError after `timeout`)."""
+        import httpx
+
+        def poll() -> None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            raise TimeoutError(f"{url} not healthy in {timeout:g} s")
+
+        self.call(poll, timeout=timeout + 10)
+
     def cut(self) -> None:
         """Takes the host's link down: nothing reaches it or leaves it until `restore()`."""
         _ip("-n", self.namespace, "link", "set", self.device, "down")

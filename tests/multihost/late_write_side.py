@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtransfer import KVLayout, KVRegion, PeerId, TransferStatus, make_connector
+from kvtransfer.common import BlockConnector
 
 LAYOUT = KVLayout("late-writes", "float32", 2, 2, 32, 16, 1)
 NUM_BLOCKS = 16
@@ -35,9 +36,11 @@ def _mark(folder: Path, name: str, text: str = "") -> None:
     (folder / f"{name}.tmp").rename(folder / name)
 
 
-def _connector(backend: str, device: str, address: str, read_timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
+def _connector(backend: str, device: str, address: str, read_timeout_s: float = 30.0) -> BlockConnector:
     options = {"ucx_devices": device} if backend == "nixl" else {"host": address}
-    return make_connector(backend, layout=LAYOUT, read_timeout_s=read_timeout_s, **options)
+    connector = make_connector(backend, layout=LAYOUT, read_timeout_s=read_timeout_s, **options)
+    assert isinstance(connector, BlockConnector)  # its `peers` tells whether a removed peer was disconnected
+    return connector
 
 
 def owner(folder: Path, backend: str, device: str, address: str) -> None:

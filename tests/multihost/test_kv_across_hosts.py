@@ -54,18 +54,6 @@ def _start_node(host: Host, role: str, port: int, model: Path, backend: str, log
     return process, log_path
 
 
-def _wait_for_health(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy in {timeout} s")
-
-
 def _complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, object]:
     r = httpx.post(f"{url}/v1/completions", timeout=60, json={
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
@@ -93,7 +81,7 @@ def cluster(request: pytest.FixtureRequest, tiny_model: TinyModelFactory, tmp_pa
                         "--decode", f"{decode_host.ip}:{DECODE_PORT}", "--colocate-max-tokens", "0",
                         "--request-timeout", "60", "--log-level", "warning"],
                        env=host_environment(), log_path=tmp_path / "proxy.log", cwd=ROOT)
-        proxy_host.call(_wait_for_health, f"http://{proxy_host.ip}:{PROXY_PORT}")
+        proxy_host.wait_healthy(f"http://{proxy_host.ip}:{PROXY_PORT}", timeout=60)
         yield Cluster(hosts, request.param, tmp_path)
 
 

@@ -94,14 +94,15 @@ def short_prompts(cluster: SpreadCluster) -> list[tuple[int, ...]]:
     return [prompt for prompt in cluster.references if len(prompt) == PROMPT_LENGTH]
 
 
-_fresh: deque[tuple[int, ...]] = deque()
+@pytest.fixture(scope="module")
+def fresh(cluster: SpreadCluster) -> deque[tuple[int, ...]]:
+    """Prompts not sent yet (no node has their KV cached, so each is handed from P to a decode node): a check that
+    a node takes transfers takes its prompts from here, each once."""
+    return deque(prompt for prompt in cluster.references if len(prompt) == FRESH_PROMPT_LENGTH)
 
 
-def fresh_prompts(cluster: SpreadCluster, count: int) -> list[tuple[int, ...]]:
-    """Prompts sent for the first time (no node has their KV cached, so each is handed from P to a decode node)."""
-    if not _fresh:
-        _fresh.extend(prompt for prompt in cluster.references if len(prompt) == FRESH_PROMPT_LENGTH)
-    return [_fresh.popleft() for _ in range(count)]
+def fresh_prompts(fresh: deque[tuple[int, ...]], count: int) -> list[tuple[int, ...]]:
+    return [fresh.popleft() for _ in range(count)]
 
 
 def run_scenario(cluster: SpreadCluster, rows: list[Row], name: str, fault: Callable[[], None], *,
@@ -146,7 +147,13 @@ def cut_for(cluster: SpreadCluster, index: int, seconds: float) -> Callable[[], 
     meanwhile (read from host 0, which the cut does not touch)."""
     def fault() -> list[dict[str, int]]:
         host = cluster.hosts[index]
-        return poll_while(lambda: (host.cut(), time.sleep(seconds), host.restore()), cluster.ready_nodes)
+
+        def cut_and_restore() -> None:
+            host.cut()
+            time.sleep(seconds)
+            host.restore()
+
+        return poll_while(cut_and_restore, cluster.ready_nodes)
 
     return fault
 
@@ -163,7 +170,8 @@ def transfers(cluster: SpreadCluster, name: str) -> int:
     return stats["kv_transfer_count"]
 
 
-def test_partition_between_prefill_and_one_decode_host_mid_transfer(cluster: SpreadCluster, rows: list[Row]) -> None:
+def test_partition_between_prefill_and_one_decode_host_mid_transfer(cluster: SpreadCluster, rows: list[Row],
+                                                                    fresh: deque[tuple[int, ...]]) -> None:
     """Host 2 (decode-2) cut off, P and the proxy included, while it pulls KV from P, for 3 s: its requests are given
     up and prefilled again for decode-3 (no failure allowed: decode-3 was there); once back, decode-2 registers
     again and pulls KV from P again."""
@@ -178,7 +186,7 @@ def test_partition_between_prefill_and_one_decode_host_mid_transfer(cluster: Spr
     row = run_scenario(cluster, rows, "net: partition P | D-2 mid-transfer (3 s)", fault)
     rejoined_s = rejoined_seconds(cluster, restored[0])
     before = transfers(cluster, "decode-2")
-    assert all(o.kind is Kind.OK for o in cluster.burst(fresh_prompts(cluster, 4)))
+    assert all(o.kind is Kind.OK for o in cluster.burst(fresh_prompts(fresh, 4)))
     assert transfers(cluster, "decode-2") > before, "decode-2 took no transfer once back"
     assert any(s.get("decode") == 1 for s in samples), f"decode-2 never left the proxy's view: {samples}"
     row.notes = f"D-2 left routing, its requests ran on D-3; back at the proxy {rejoined_s:.1f} s after the restore"
@@ -219,7 +227,8 @@ def test_whole_host_killed_and_started_again(cluster: SpreadCluster, rows: list[
     row.notes = f"streams continued on D-2; D-3 back at the proxy {rejoined_s:.1f} s after the kill (reload included)"
 
 
-def test_slow_link_to_the_prefill_host(cluster: SpreadCluster, rows: list[Row]) -> None:
+def test_slow_link_to_the_prefill_host(cluster: SpreadCluster, rows: list[Row],
+                                       fresh: deque[tuple[int, ...]]) -> None:
     """Host 1 (the only prefill node) shaped to 100 kbit/s for 6 s under prompts of 128 tokens (64 KiB of KV each,
     three at a time: seconds each, past the lease and the first-token timeout): transfers miss their deadlines.
     Requests succeed (retried, or prefilled by the decode node) or fail with a clear error (allowed: the only P
@@ -243,7 +252,7 @@ def test_slow_link_to_the_prefill_host(cluster: SpreadCluster, rows: list[Row]) 
     rejoined_s = rejoined_seconds(cluster, unshaped[0])
     before = transfers(cluster, "decode-2") + transfers(cluster, "decode-3")
     num_pulled = before - pulled
-    assert all(o.kind is Kind.OK for o in cluster.burst(fresh_prompts(cluster, 2)))
+    assert all(o.kind is Kind.OK for o in cluster.burst(fresh_prompts(fresh, 2)))
     assert transfers(cluster, "decode-2") + transfers(cluster, "decode-3") > before, "P served no transfer once fast"
     back = recovery_seconds(row.outcomes, unshaped[0])
     num_retries = cluster.metric("tandem:request_retries_total") - retries
@@ -255,7 +264,8 @@ def test_slow_link_to_the_prefill_host(cluster: SpreadCluster, rows: list[Row]) 
     assert num_pulled + num_retries + num_abandoned + row.count(Kind.FAILED) > 0, "no request needed P's KV"
 
 
-def test_link_restored_nodes_register_again_and_take_traffic(cluster: SpreadCluster, rows: list[Row]) -> None:
+def test_link_restored_nodes_register_again_and_take_traffic(cluster: SpreadCluster, rows: list[Row],
+                                                             fresh: deque[tuple[int, ...]]) -> None:
     """Host 1 (the only prefill node) cut for 3 s: its registration expires (the proxy's ready nodes lose it) and the
     decode nodes prefill the prompts themselves (no failure allowed); once the link is back P registers again
     (ready nodes 1 P + 2 D) and takes traffic: both decode nodes pull KV from it again."""
@@ -270,7 +280,7 @@ def test_link_restored_nodes_register_again_and_take_traffic(cluster: SpreadClus
     rejoined_s = rejoined_seconds(cluster, restored[0])
     assert any(s.get("prefill") == 0 for s in samples), f"P never left the proxy's view: {samples}"
     before = {name: transfers(cluster, name) for name in ("decode-2", "decode-3")}
-    assert all(o.kind is Kind.OK for o in cluster.burst(fresh_prompts(cluster, 2)))
+    assert all(o.kind is Kind.OK for o in cluster.burst(fresh_prompts(fresh, 2)))
     for name, count in before.items():
         assert transfers(cluster, name) > count, f"{name} pulled no KV from P once it was back"
     row.notes = f"decode nodes prefilled alone; P back at the proxy {rejoined_s:.1f} s after the restore"
