@@ -21,53 +21,18 @@ import argparse
 import math
 import sys
 import time
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.planner_baselines import ThresholdAutoscaler  # noqa: E402
 from benchmark.profile import Profile, load_profile  # noqa: E402
-from benchmark.sim import SimRequest, SimResult, simulate  # noqa: E402
+from benchmark.sim import Controller, SimRequest, SimResult, simulate  # noqa: E402
 from benchmark.sim.workload import DayShape, day_trace  # noqa: E402
 from cluster.planner.capacity import Load  # noqa: E402
 from cluster.planner.plan import make_plan  # noqa: E402
 from cluster.planner.policy import Planner, PolicyConfig  # noqa: E402
-from cluster.planner.types import SLO, Decision, LoadWindow, PoolAction, PoolSizes  # noqa: E402
-
-
-@dataclass
-class ThresholdAutoscaler:
-    """Per-pool threshold scaling, as KEDA/HPA do it: each pool on its own metric, no model of the other pool."""
-
-    prefill_target_tokens: float  # queued prompt tokens per prefill node
-    decode_target_running: float  # running requests per decode node
-    min_sizes: PoolSizes
-    max_sizes: PoolSizes
-    stabilisation_s: float  # scale down to the highest recommendation of this window (HPA's default: 300 s)
-    tolerance: float = 0.1
-
-    def __post_init__(self) -> None:
-        self._history: dict[str, deque[tuple[float, int]]] = {"prefill": deque(), "decode": deque()}
-
-    def decide(self, now: float, window: LoadWindow, current: PoolSizes) -> Decision:
-        metrics = {"prefill": (window.waiting_prefill_tokens, self.prefill_target_tokens),
-                   "decode": (window.running, self.decode_target_running)}
-        actions = []
-        for role, (total, target) in metrics.items():
-            nodes = getattr(current, role)
-            ratio = (total / max(nodes, 1)) / target
-            wanted = nodes if abs(ratio - 1) <= self.tolerance else math.ceil(nodes * ratio)
-            low, high = getattr(self.min_sizes, role), getattr(self.max_sizes, role)
-            wanted = min(max(wanted, low), high)
-            history = self._history[role]
-            history.append((now, wanted))
-            while history and history[0][0] < now - self.stabilisation_s:
-                history.popleft()
-            desired = wanted if wanted >= nodes else min(nodes, max(w for _, w in history))
-            actions.append(PoolAction(role, nodes, desired, "threshold", f"{total} / {nodes} vs {target}"))
-        sizes = PoolSizes(actions[0].desired, actions[1].desired)
-        return Decision(sizes, "threshold", sizes != current, tuple(actions))
+from cluster.planner.types import SLO, PoolSizes  # noqa: E402
 
 
 def within_slo(result: SimResult, slo: SLO) -> float:
@@ -96,7 +61,7 @@ def most_actions_per_window(result: SimResult, cooldown_s: float) -> int:
 
 
 def run(profile: Profile, requests: list[SimRequest], sizes: PoolSizes, colocate: int,
-        controller: object | None, interval_s: float, startup_s: float) -> SimResult:
+        controller: Controller | None, interval_s: float, startup_s: float) -> SimResult:
     return simulate(profile=profile, requests=requests, prefill_nodes=sizes.prefill, decode_nodes=sizes.decode,
                     colocate_max_tokens=colocate, controller=controller, interval_s=interval_s,
                     node_startup_s=startup_s, percentiles=(50.0, 90.0))
@@ -116,10 +81,7 @@ def compare(args: argparse.Namespace, profile: Profile, slo: SLO) -> str:
     limits = PoolSizes(max(static.prefill * 2, 2), max(static.decode * 2, 2))
     config = PolicyConfig(slo=slo, min_sizes=PoolSizes(1, 1), max_sizes=limits, cooldown_s=args.cooldown_s,
                           colocate_max_tokens=colocate)
-    threshold = ThresholdAutoscaler(prefill_target_tokens=float(profile.node.max_num_batched_tokens * 2),
-                                    decode_target_running=float(max(4, profile.node.max_num_seqs // 4)),
-                                    min_sizes=PoolSizes(1, 1), max_sizes=limits,
-                                    stabilisation_s=args.cooldown_s)
+    threshold = ThresholdAutoscaler.for_profile(profile, slo, PoolSizes(1, 1), limits, args.cooldown_s)
     runs = {
         f"static {static.prefill}P{static.decode}D (tandem plan, peak)": run(
             profile, requests, static, colocate, None, args.interval_s, args.startup_s),

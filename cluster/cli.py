@@ -4,6 +4,9 @@
     tandem status [--json]
     tandem scale [--prefill N] [--decode M] [--kubernetes --namespace NS --release R]
     tandem bench serve|compare|plot ...    (benchmark/cli.py)
+    tandem plan --profile FILE --slo-ttft-ms MS --slo-itl-ms MS --request-rate R ...    (cluster/planner/plan.py)
+    tandem planner --profile FILE ... (--admin-url URL | --kubernetes)    (cluster/planner/run.py)
+    tandem profile [--model PATH] [--quick] [-o FILE] ...    (cluster/profile_cli.py)
 
 `status` and `scale` talk to the admin API of the cluster `tandem serve` runs on this machine (its address and
 token are in the state file, see cluster/state.py); --admin-url and --token (or TANDEM_ADMIN_URL and
@@ -23,6 +26,9 @@ from typing import Any
 import httpx
 
 from benchmark.cli import BenchError, add_bench_commands
+from cluster.planner.plan import PlanError, add_plan_arguments, run_plan
+from cluster.planner.run import PlannerSetupError, add_planner_arguments, run_planner
+from cluster.profile_cli import add_profile_arguments
 from cluster.state import read_state, state_path
 from settings import TREE_KEYS, ConfigError, ServeConfig, add_arguments, resolve
 from settings import env as environment
@@ -58,16 +64,28 @@ def main(argv: list[str] | None = None) -> int:
                          help="admin API of a remote cluster (default: the local one's, from its state file)")
         sub.add_argument("--token", default=environment.admin_token(), help="its admin token")
     add_bench_commands(commands.add_parser("bench", help="serving benchmark over the OpenAI API (vLLM's metrics)"))
+    add_plan_arguments(commands.add_parser("plan", help="how many prefill and decode nodes a load needs under SLOs"))
+    add_planner_arguments(commands.add_parser("planner", help="size a cluster's pools from its load, continuously"))
+    add_profile_arguments(commands.add_parser("profile", help="measure a node on this hardware: its profile file",
+                                              description="Flags as tandem serve's; see cluster/profile_cli.py."))
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
             return int(args.bench_main(args))
         if args.command == "serve":
             return _serve(args)
+        if args.command == "plan":
+            return run_plan(args)
+        if args.command == "planner":
+            return run_planner(args)
+        if args.command == "profile":
+            from cluster.profile_cli import profile_main
+
+            return profile_main(args, argv)
         if args.command == "status":
             return _status(args)
         return _scale(args)
-    except (CLIError, ConfigError, BenchError) as e:
+    except (CLIError, ConfigError, BenchError, PlanError, PlannerSetupError) as e:
         print(f"tandem {args.command}: {e}", file=sys.stderr)
         return 2
 

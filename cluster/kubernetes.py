@@ -98,6 +98,10 @@ class KubernetesPools:
                                        f"{(e.body or '')[:300]}") from None
         return ScaleResult(role, name, replicas, ScaleMethod.SCALE_SUBRESOURCE)
 
+    def replicas(self, role: str) -> int:
+        """The pool's size as its Deployment asks (spec.replicas), for the planner (cluster/planner/loop.py)."""
+        return int(self._deployment(role).spec.replicas or 0)
+
     def _deployment(self, role: str) -> Any:
         selector = f"app.kubernetes.io/instance={self.release},app.kubernetes.io/component={role}"
         try:

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +35,13 @@ from typing import Any
 import httpx
 import ray
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import Response
 
 from cluster.admin import AdminServer, bind_admin_socket, create_admin_app, new_token
 from cluster.layout import CpuLayout, serve_layout
 from cluster.models import ModelChoiceError, resolve_model
+from cluster.planner.loop import PlannerLoop
 from cluster.pools import NodeLaunch, NodeState, Placement, PoolManager, die_with_parent, free_port
 from cluster.progress import Progress
 from cluster.state import ClusterState, cache_dir, remove_state, write_state
@@ -232,8 +235,12 @@ async def _run(config: ServeConfig, layout: CpuLayout | None, pools: PoolManager
     token = admin_token(environment.admin_token(), client_keys)
     app = create_admin_app(pools, token, on_scale=wake.set,
                            extra_status={"proxy_url": proxy_url, "model": served_model_name}, client_keys=client_keys)
+    planner = _planner(config, layout, pools, wake.set, proxy_url)
+    if planner is not None:  # its metrics on the admin address, open as the proxy's /metrics are
+        app.add_route("/metrics", lambda _: Response(planner.metrics.render(), media_type=CONTENT_TYPE_LATEST))
     admin = AdminServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
     admin_task = asyncio.create_task(admin.serve(sockets=[admin_socket]))
+    planner_task: asyncio.Task[None] | None = None
     try:
         # the proxy loads its tokenizer while the nodes load the model; it finds them in the registry
         proxy = _start_proxy(config, layout, model, served_model_name, registry_url, log_dir, children)
@@ -244,6 +251,8 @@ async def _run(config: ServeConfig, layout: CpuLayout | None, pools: PoolManager
         elif not await _wait_until_healthy(proxy, config, stop):
             return
         write_state(ClusterState(admin_url=admin_url, token=token, proxy_url=proxy_url, pid=os.getpid()))
+        if planner is not None:
+            planner_task = asyncio.create_task(planner.run(stop))
         print(f"\nTandem is serving {served_model_name!r} at {proxy_url}/v1 "
               f"({config.prefill_nodes} prefill + {config.decode_nodes} decode nodes)\n"
               f"  tandem status    pool sizes;  tandem scale --decode 2    resize a pool;  Ctrl-C stops\n",
@@ -257,11 +266,27 @@ async def _run(config: ServeConfig, layout: CpuLayout | None, pools: PoolManager
     finally:
         remove_state(os.getpid())
         print("stopping the cluster", file=sys.stderr, flush=True)
+        if planner_task is not None:
+            planner_task.cancel()
         for child in [c for c in children if c.name == "proxy"]:
             child.stop()  # no new requests from here on
         await pools.shutdown()
         admin.should_exit = True
         await asyncio.wait({admin_task}, timeout=5)
+
+
+def _planner(config: ServeConfig, layout: CpuLayout | None, pools: PoolManager, wake: Callable[[], None],
+             proxy_url: str) -> PlannerLoop | None:
+    """With --planner: the planner loop on these pools (cluster/planner/), or ServeError for a bad setup."""
+    if not config.planning.planner:
+        return None
+    from cluster.planner.run import PlannerSetupError, embedded, proxy_colocation
+
+    try:
+        return embedded(config.planning, pools, wake, proxy_url,
+                        proxy_colocation(layout.colocate_max_tokens if layout else None, config.proxy_args))
+    except PlannerSetupError as e:
+        raise ServeError(str(e)) from None
 
 
 async def _start_pools(pools: PoolManager, stop: asyncio.Event) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from settings.chat import ChatSettings
 from settings.cluster import ENGINE_DEFAULTS, LOOPBACK_TRANSPORT_ENV, ClusterSettings, single_machine
+from settings.planner import PlannerSettings
 from settings.spec import ConfigError, group, setting, settings_of
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -89,6 +90,7 @@ class ServeConfig:
                                      metavar="SECONDS")
     cluster: ClusterSettings = group(ClusterSettings)
     chat: ChatSettings = group(ChatSettings)  # the proxy's tool-call and reasoning parsers
+    planning: PlannerSettings = group(PlannerSettings)  # --planner and its SLOs (cluster/planner/)
 
     def __post_init__(self) -> None:
         for name in ("node_args", "proxy_args"):
