@@ -58,9 +58,10 @@ def _pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
     return workload["spec"]["template"]["spec"]
 
 
-def test_the_five_ci_examples_exist():
+def test_the_ci_examples_exist():
     assert {p.name for p in CI_VALUES} == {"minimal-cpu-values.yaml", "pd-rdma-values.yaml", "keda-values.yaml",
-                                          "external-redis-values.yaml", "kv-store-values.yaml"}
+                                          "external-redis-values.yaml", "kv-store-values.yaml",
+                                          "planner-values.yaml"}
 
 
 @ci
@@ -173,7 +174,9 @@ def test_security_defaults(values_file: Path):
     for workload in [*rendered.of_kind("Deployment"), *rendered.of_kind("StatefulSet"), *rendered.of_kind("Job")]:
         pod = _pod_spec(workload)
         assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
-        assert pod["automountServiceAccountToken"] is False
+        # only the planner calls the Kubernetes API (its Role: the pools' scale, nothing else)
+        planner = workload["metadata"]["labels"]["app.kubernetes.io/component"] == "planner"
+        assert pod["automountServiceAccountToken"] is planner
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
         node = workload["metadata"]["labels"]["app.kubernetes.io/component"] in ("prefill", "decode")
         for container in pod.get("initContainers", []) + pod["containers"]:

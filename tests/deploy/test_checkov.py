@@ -30,6 +30,8 @@ DELIBERATE = {
 }
 # checks that only the RDMA example's engine pods may fail: memory pinning for RDMA needs root and IPC_LOCK
 RDMA_ONLY = {"CKV_K8S_23", "CKV_K8S_25", "CKV_K8S_40"}
+# only the planner mounts its service account's token: it patches the pools' scale (its Role allows that alone)
+PLANNER_ONLY = {"CKV_K8S_38"}
 
 
 def _checkov() -> str:
@@ -59,6 +61,8 @@ def test_checkov_finds_only_deliberate_choices(tmp_path: Path):
         rdma_engine = file.endswith("pd-rdma-values.yaml") and resource.split(".")[-1].endswith(("-prefill",
                                                                                                   "-decode"))
         if check in RDMA_ONLY and rdma_engine:
+            continue
+        if check in PLANNER_ONLY and resource.endswith("-planner"):
             continue
         unexpected.append(f"{check} {failed['check_name']}: {resource} ({file})")
     assert not unexpected, "\n".join(unexpected)
