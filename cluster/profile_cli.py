@@ -81,7 +81,8 @@ class PointPlan:
         return max(1, min(self.repeats, self.point_tokens // prompt_tokens))
 
 
-# about 2 minutes of SmolLM2 float32 on one thread per node (bench/results/profile-cpu-smollm2-1thread.json)
+# SmolLM2 float32, one thread per node, 2 cores: 2 min 50 s, a minute of it the nodes' start
+# (bench/results/profile-cpu-smollm2-1thread.json)
 DEFAULT_PLAN = PointPlan((32, 128, 512, 1024), (1, 4), (1, 4, 16), 64, 32, (32, 512), 3, 2048)
 QUICK_PLAN = PointPlan((16, 64), (1, 2), (1, 4), 16, 8, (16, 64), 1, 2048)
 
@@ -105,7 +106,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     node = parser.add_argument_group("the node (flags of the node processes, as in --node-args)")
     for flag in NODE_FLAGS:
         node.add_argument(flag, type=_positive, default=None)
-    points = parser.add_argument_group("the points (defaults: about 2 minutes on a CPU; --quick: seconds)")
+    points = parser.add_argument_group("the points (defaults: ~2 minutes of SmolLM2 on a CPU thread; --quick: seconds)")
     points.add_argument("--quick", action="store_true", help="a few small points (a smoke test, a rough fit)")
     for flag, dest, kind, text in _POINT_FLAGS:
         points.add_argument(flag, dest=dest, type=_ints if kind == "ints" else _positive, default=None, help=text)
