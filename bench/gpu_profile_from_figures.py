@@ -24,8 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmark.profile import (DecodePoint, HandoffPoint, NodeSpec, Points, PrefillPoint, Profile, fit,  # noqa: E402
-                               fit_errors)
+from benchmark.profile import DecodePoint, HandoffPoint, NodeSpec, Points, PrefillPoint, Profile, fit, fit_errors  # noqa: E402
 
 BLOCK_BYTES = 32 * 8 * 128 * 2 * 2 * 16
 NODE_BYTES = 0.9 * 139 * 2**30 - 16.1e9 - 3e9

@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -33,10 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.planner_baselines import ThresholdAutoscaler  # noqa: E402
 from benchmark.client import RequestOutput, RequestSettings, send_request  # noqa: E402
-from benchmark.datasets import PromptSynthesizer, SampleRequest, load_tokenizer  # noqa: E402
+from benchmark.datasets import SampleRequest, prompt_synthesizer  # noqa: E402
 from benchmark.profile import load_profile  # noqa: E402
 from benchmark.sim import SimRequest  # noqa: E402
 from benchmark.sim.workload import DayShape, day_trace  # noqa: E402
+from cluster.models import resolve_model  # noqa: E402
 from cluster.planner.loop import AdminScaler, PlannerLoop  # noqa: E402
 from cluster.planner.types import SLO, PoolSizes  # noqa: E402
 from cluster.state import read_state  # noqa: E402
@@ -162,7 +162,9 @@ def main() -> None:
     parser.add_argument("--cooldown-s", type=float, default=30.0)
     parser.add_argument("--colocate-max-tokens", type=int, default=0)
     parser.add_argument("--modes", default="static,threshold,planner")
-    parser.add_argument("--tokenizer", default=None, help="default: the served model's (SmolLM2's)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a model directory, tokenizer.json or GGUF file (default: the model `tandem serve` "
+                             "serves by default, SmolLM2's GGUF)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -172,8 +174,7 @@ def main() -> None:
                    burst_factor=2.0, burst_s=args.duration_s / 15, short_input_len=args.short_input_len,
                    long_input_len=args.long_input_len, output_len=args.output_len, range_ratio=0.5)
     requests = day_trace(day, seed=args.seed)
-    tokenizer = load_tokenizer(args.tokenizer or profile.node.model)
-    synth = PromptSynthesizer(tokenizer, random.Random(args.seed))
+    synth = prompt_synthesizer(args.tokenizer or resolve_model(None, None)[0], args.seed)
     colocate = ["--proxy-args", f"--colocate-max-tokens {args.colocate_max_tokens}"]
     limits = PoolSizes(args.max_prefill, args.max_decode)
     static = PoolSizes(*(int(x) for x in args.static.split(",")))

@@ -181,7 +181,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if session_mode and not endpoint.rstrip("/").endswith(_CHAT_ENDPOINT):
         raise BenchError(f"--dataset-name {args.dataset_name} sends chats with the server's replies in them: it "
                          f"needs --endpoint {_CHAT_ENDPOINT} (got {endpoint})")
-    model = args.model or _first_model(base_url, args.api_key)
+    model = args.model or first_model(base_url, args.api_key)
     tokenizer_id = args.tokenizer or (model if Path(model).exists() else None)
     try:
         tokenizer = load_tokenizer(tokenizer_id) if tokenizer_id else None
@@ -291,7 +291,7 @@ def _plot(args: argparse.Namespace, runs: list[tuple[str, dict[str, Any]]], name
         print(f"plotted {written}")
 
 
-def _first_model(base_url: str, api_key: str | None) -> str:
+def first_model(base_url: str, api_key: str | None) -> str:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)

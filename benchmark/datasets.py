@@ -131,6 +131,24 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
+def prompt_synthesizer(model: Path, seed: int) -> PromptSynthesizer:
+    """Random prompts of exact token lengths from a model's tokenizer: a model directory, a tokenizer.json, or a
+    GGUF file (or a directory holding one: the vocabulary in its metadata, as the proxy reads it). ValueError when
+    there is none."""
+    from engine.gguf_config import find_gguf_file
+
+    try:
+        if find_gguf_file(model) is None:
+            tokenizer = load_tokenizer(model)
+        else:
+            from engine.tokenizer import load_tokenizer as load_model_tokenizer  # here: benchmark/ imports no torch
+
+            tokenizer = load_model_tokenizer(model).backend_tokenizer
+    except (ValueError, AttributeError) as e:  # ModelConfigError is a ValueError
+        raise ValueError(f"no tokenizer at {model}: {e}") from None
+    return PromptSynthesizer(tokenizer, random.Random(seed))
+
+
 def get_samples(config: DatasetConfig, tokenizer: Tokenizer | None) -> list[SampleRequest]:
     """The workload `config` names, `config.num_prompts` requests long."""
     name = _ALIASES.get(config.name, config.name)

@@ -109,7 +109,7 @@ def serve(config: ServeConfig) -> None:
 
     children: list[Child] = []
     try:
-        registry_url = config.registry or _start_redis(log_dir, children)
+        registry_url = config.registry or start_redis(log_dir, children)
         local = config.ray_address == "local"
         config = _start_kv_store(config, log_dir, children)
         try:
@@ -204,7 +204,7 @@ def _check_port_free(host: str, port: int) -> None:
                              f"Pick another with --port") from None
 
 
-def _start_redis(log_dir: Path, children: list[Child]) -> str:
+def start_redis(log_dir: Path, children: list[Child]) -> str:
     port = free_port("127.0.0.1")
     command = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
     try:
