@@ -30,7 +30,7 @@ from benchmark.profile import Profile, load_profile  # noqa: E402
 from benchmark.sim import Controller, SimRequest, SimResult, simulate  # noqa: E402
 from benchmark.sim.workload import DayShape, day_trace  # noqa: E402
 from cluster.planner.capacity import Load  # noqa: E402
-from cluster.planner.plan import make_plan  # noqa: E402
+from cluster.planner.plan import Candidate, make_plan  # noqa: E402
 from cluster.planner.policy import Planner, PolicyConfig  # noqa: E402
 from cluster.planner.types import SLO, PoolSizes  # noqa: E402
 
@@ -64,7 +64,7 @@ def run(profile: Profile, requests: list[SimRequest], sizes: PoolSizes, colocate
         controller: Controller | None, interval_s: float, startup_s: float) -> SimResult:
     return simulate(profile=profile, requests=requests, prefill_nodes=sizes.prefill, decode_nodes=sizes.decode,
                     colocate_max_tokens=colocate, controller=controller, interval_s=interval_s,
-                    node_startup_s=startup_s, percentiles=(50.0, 90.0))
+                    node_startup_s=startup_s, percentiles=(50.0, 90.0), cores=0)  # each node on its own hardware
 
 
 def compare(args: argparse.Namespace, profile: Profile, slo: SLO) -> str:
@@ -105,24 +105,40 @@ def compare(args: argparse.Namespace, profile: Profile, slo: SLO) -> str:
     return "\n".join(lines)
 
 
+def _best(profile: Profile, slo: SLO, args: argparse.Namespace, rate: float, simulate: bool,
+          max_nodes: int) -> Candidate | None:
+    load = Load(rate, args.long_input_len, args.output_len, 0.5)
+    return make_plan(profile, slo, load, simulate=simulate, max_nodes=max(max_nodes, 64)).best
+
+
+def _fits(profile: Profile, slo: SLO, args: argparse.Namespace, rate: float, simulate: bool, nodes: int) -> bool:
+    best = _best(profile, slo, args, rate, simulate, nodes)
+    return best is not None and best.answer is not None and best.answer.total <= nodes
+
+
 def project(args: argparse.Namespace, profile: Profile, slo: SLO) -> str:
-    """Goodput per node and the P:D split at cluster sizes no box here has, from `tandem plan`'s answer scaled
-    by rate until the cluster has about N nodes."""
-    lines = ["| nodes (target) | rate req/s | P:D | colocate ≤ | goodput req/s per node |", "|---|---|---|---|---|"]
+    """Goodput per node and the P:D split at cluster sizes no box here has: for each size N, the highest rate whose
+    `tandem plan` answer fits in N nodes (a bisection on the rate; plans are checked by simulation up to
+    --simulate-up-to nodes, analytic above)."""
+    lines = ["| nodes | rate req/s | P:D | colocate <= | goodput req/s per node | checked by |",
+             "|---|---|---|---|---|---|"]
     for target in (int(n) for n in args.project.split(",")):
-        unit = make_plan(profile, slo, Load(args.peak_rate, args.long_input_len, args.output_len, 0.5),
-                         simulate=False).best
-        if unit is None or unit.answer is None:
-            raise SystemExit("no plan at the base rate")
-        rate = args.peak_rate * target / unit.answer.total
-        plan = make_plan(profile, slo, Load(rate, args.long_input_len, args.output_len, 0.5),
-                         simulate=target <= args.simulate_up_to)
-        best = plan.best
+        check = target <= args.simulate_up_to
+        low, high = 0.0, 1.0
+        while _fits(profile, slo, args, high, False, target):
+            low, high = high, high * 2
+        for _ in range(20):  # analytic bisection, then the simulator's word on the answer
+            mid = (low + high) / 2
+            low, high = (mid, high) if _fits(profile, slo, args, mid, False, target) else (low, mid)
+        while check and low > 0 and not _fits(profile, slo, args, low, True, target):
+            low *= 0.95
+        best = _best(profile, slo, args, low, check, target) if low > 0 else None
         if best is None or best.answer is None:
-            lines.append(f"| {target} | {rate:.1f} | none meets the SLO | | |")
+            lines.append(f"| {target} | - | no split meets the SLOs | | | |")
             continue
-        lines.append(f"| {target} | {rate:.1f} | {best.answer.prefill}:{best.answer.decode} | "
-                     f"{best.colocate_max_tokens} | {rate / best.answer.total:.3f} |")
+        lines.append(f"| {target} | {low:.1f} | {best.answer.prefill}:{best.answer.decode} | "
+                     f"{best.colocate_max_tokens} | {low / best.answer.total:.2f} | "
+                     f"{'simulator' if check else 'capacity model'} |")
     return "\n".join(lines)
 
 

@@ -106,7 +106,8 @@ def simulate_check(profile: Profile, slo: SLO, sizes: PoolSizes, colocate_max_to
     from benchmark.sim import simulate
 
     result = simulate(profile=profile, requests=requests, prefill_nodes=sizes.prefill, decode_nodes=sizes.decode,
-                      colocate_max_tokens=colocate_max_tokens, percentiles=(slo.percentile,))
+                      colocate_max_tokens=colocate_max_tokens, percentiles=(slo.percentile,),
+                      cores=0)  # a plan's nodes each have their own hardware (profile.cores: the box measured)
     metrics = result.metrics
 
     def at_percentile(name: str) -> float:
