@@ -345,6 +345,7 @@ def proxy_command(config: ServeConfig, model: Path, served_model_name: str, regi
     return [sys.executable, "-m", "proxy", "--registry", registry_url, "--model", str(model),
             "--served-model-name", served_model_name, "--host", config.host, "--port", str(config.port),
             "--log-level", "warning", *to_args(config.cluster.hashing), *to_args(config.cluster.tls.client),
+            *to_args(config.cluster.tracing),
             *to_args(config.chat), *key_file, *colocate, *shlex.split(config.proxy_args)]
 
 

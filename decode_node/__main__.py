@@ -21,6 +21,7 @@ from node_common.options import (
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
 from node_common.tls import ChannelSecurity, TLSFileError
+from node_common.tracing import make_tracer
 from protos import tandem_pb2_grpc
 from settings import env as environment
 from wire import NodeIdentity, Role
@@ -45,13 +46,17 @@ def main() -> None:
     store = store_tier(args, async_engine, layout_hash)
     loop = DecodeLoop(async_engine, connector, region, layout_hash, PrefillLeaseClient(prefill_security),
                       verify=lambda block_ids, expected: mismatched_blocks(engine, block_ids, expected), store=store)
-    service = DecodeService(loop, async_engine, name, args.model, args.kv_backend, args.max_logprobs)
+    tracer = make_tracer(args.cluster.tracing.otlp_traces_endpoint, "tandem-decode", {"tandem.node_id": name})
+    service = DecodeService(loop, async_engine, name, args.model, args.kv_backend, args.max_logprobs, tracer)
     identity = NodeIdentity(name, Role.DECODE, advertised_address(args), args.model, layout_hash, args.kv_backend,
                             args.hash_seed, pod_uid=environment.pod_uid() or "")
 
+    def close() -> None:
+        close_node(connector, engine, store)
+        tracer.shutdown()  # the spans still buffered go out
+
     run_node(args, async_engine, identity,
-             lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(service, server),
-             lambda: close_node(connector, engine, store), store=store)
+             lambda server: tandem_pb2_grpc.add_DecodeServiceServicer_to_server(service, server), close, store=store)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ A request's life on a decode node (D):
    stream back.
 6. A client that goes away, or a deadline that passes, aborts the request and frees its blocks.
 
+Timings (wire.DecodeTimings, on the first output of a request with a ticket): handoff is the RPC's arrival (step 1)
+to the admission (step 5), first step the admission to the first token out of the engine.
+
 A `Generate` without a ticket is a colocated request (the proxy judged prefilling here cheaper than a
 transfer, e.g. a short prompt or one mostly in D's prefix cache): D adds it to its engine like any request,
 prefills it (with its own prefix-cache hits) and streams every token, the first one included (with the prompt's
@@ -48,7 +51,7 @@ from kvtransfer import InvalidRequestError, KVRegion, TransferError, TransferSta
 from kvtransfer.base import Connector, TransferHandle
 from kvtransfer.checksum import checksum_algorithm, mismatched_blocks
 from node_common.store_tier import StoreTier
-from wire import KVTicket
+from wire import DecodeTimings, KVTicket
 
 logger = logging.getLogger(__name__)
 _Reserved = tuple[Request, ReservedBlocks | None, TransferHandle | None]  # a request, its blocks, its read
@@ -74,6 +77,7 @@ class DecodeOutput:
     stop_token_id: int | None = None
     num_cached_tokens: int | None = None  # a colocated request's prefix hit here, on its first output
     prompt_logprobs: PromptLogprobs | None = None  # a colocated request's, when asked, on its first output
+    timings: DecodeTimings | None = None  # a request with a ticket's, on its first output
 
 
 class DecodeLoop:
@@ -104,6 +108,7 @@ class DecodeLoop:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        ticket: KVTicket, first_token: int, first_logprobs: PositionLogprobs | None,
                        deadline: float | None) -> AsyncGenerator[DecodeOutput, None]:
+        arrival = time.monotonic()
         if ticket.layout_hash != self.layout_hash:
             raise DecodeError("FAILED_PRECONDITION", f"ticket {ticket.ticket_id} has KV layout {ticket.layout_hash}, "
                                                      f"this node {self.layout_hash}: the prefill node's blocks "
@@ -132,10 +137,16 @@ class DecodeLoop:
             release = asyncio.ensure_future(self.leases.release(ticket))
             self._background.add(release)
             release.add_done_callback(self._background.discard)
+            admitted_at = time.monotonic()
             if admitted.finished:
-                yield DecodeOutput([], [], admitted.finish_reason, admitted.stop_reason)
+                yield DecodeOutput([], [], admitted.finish_reason, admitted.stop_reason,
+                                   timings=DecodeTimings(admitted_at - arrival, 0.0))
                 return
+            timings: DecodeTimings | None = None
             async for out in self._stream(request, events, deadline):
+                if timings is None:
+                    timings = DecodeTimings(admitted_at - arrival, time.monotonic() - admitted_at)
+                    out = dataclasses.replace(out, timings=timings)
                 yield out
         finally:
             lease.future.cancel()  # a no-op once answered

@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from decode_node.loop import DecodeError, DecodeLoop
+from decode_node.loop import DecodeError, DecodeLoop, DecodeOutput
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from node_common.limits import DEFAULT_MAX_LOGPROBS, check_limits, check_position_logprobs
 from node_common.load import engine_stats
+from node_common.tracing import NO_SPAN, NO_TRACER, Span, SpanKind, Tracer, now_ns, seconds_to_ns
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import (
@@ -29,8 +30,9 @@ from wire import RETRYABLE_KEY, InvalidTicketError, NodeStats
 
 class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
     def __init__(self, loop: DecodeLoop, engine: AsyncEngine, node_id: str, model: str, kv_backend: str,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, tracer: Tracer = NO_TRACER) -> None:
         self.loop = loop
+        self.tracer = tracer
         self.engine = engine
         self.node_id = node_id
         self.model = model
@@ -57,6 +59,8 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
         if deadline is not None and deadline <= time.time():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
         prompt = list(request.prompt_token_ids)
+        started_ns = now_ns()
+        span = self._span(request, context, colocated, started_ns)
         if ticket is None:
             outputs = self.loop.generate_local(request.request_id, prompt, params, deadline,
                                                list(request.output_token_ids))
@@ -69,16 +73,35 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                                                finish_reason=str(out.finish_reason or ""),
                                                stop_token_id=-1 if out.stop_token_id is None else out.stop_token_id,
                                                num_cached_tokens=out.num_cached_tokens or 0)
+                if out.timings is not None:
+                    response.handoff_seconds = out.timings.handoff_seconds
+                    response.first_step_seconds = out.timings.first_step_seconds
+                    _record_phases(span, started_ns, out)
                 for position in out.logprobs:
                     response.logprobs.append(logprobs_to_proto(position))
                 if out.prompt_logprobs is not None:
                     response.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
+                if out.finish_reason is not None:  # the span ends with the last token sent, as the caller's
+                    span.end()
+                    span = NO_SPAN
                 yield response
         except DecodeError as e:
+            span.set_error(str(e))
             context.set_trailing_metadata(((RETRYABLE_KEY, "1" if e.retryable else "0"),))
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
         finally:
+            span.end()
             await outputs.aclose()
+
+    def _span(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, colocated: bool,
+              started_ns: int) -> Span:
+        if not self.tracer.enabled:  # no metadata read, no attributes built
+            return NO_SPAN
+        return self.tracer.start(
+            "decode_node.Generate", SpanKind.SERVER, parent=tuple(context.invocation_metadata() or ()),
+            attributes={"tandem.request_id": request.request_id, "tandem.node_id": self.node_id,
+                        "tandem.colocated": colocated, "tandem.num_prompt_tokens": len(request.prompt_token_ids)},
+            start_ns=started_ns)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=await self.loop.abort(request.request_id))
@@ -96,3 +119,13 @@ class DecodeService(tandem_pb2_grpc.DecodeServiceServicer):
                                        kv_transfer_seconds_sum=self.loop.transfer_seconds)
 
         return stats_to_proto(await self.engine.call(stats))
+
+
+def _record_phases(span: Span, started_ns: int, out: DecodeOutput) -> None:
+    """A handed-off request's phases here, from the RPC's start, as children of its span."""
+    if not span.recording or out.timings is None:
+        return
+    admitted_ns = started_ns + seconds_to_ns(out.timings.handoff_seconds)
+    span.record_child("decode_node.kv_handoff", started_ns, admitted_ns)
+    first_token_ns = admitted_ns + seconds_to_ns(out.timings.first_step_seconds)
+    span.record_child("decode_node.first_step", admitted_ns, first_token_ns)

@@ -19,6 +19,7 @@ from node_common.options import (
 )
 from node_common.registrar import advertised_address
 from node_common.server import run_node, setup_logging
+from node_common.tracing import make_tracer
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import PrefillService
 from protos import tandem_pb2_grpc
@@ -55,13 +56,17 @@ def main() -> None:
     # the owner of registered memory must keep the transfer library progressing (docs/environment.md#ucx-and-nixl)
     # for decode nodes to read its leased blocks: every idle_wait_s while any block is leased, at rest otherwise
     async_engine.add_ticker(lambda _: connector.progress(), in_flight=lambda: loop.num_pinned > 0)
-    service = PrefillService(loop, async_engine, layout_hash, args.model, args.kv_backend, args.max_logprobs)
+    tracer = make_tracer(args.cluster.tracing.otlp_traces_endpoint, "tandem-prefill", {"tandem.node_id": name})
+    service = PrefillService(loop, async_engine, layout_hash, args.model, args.kv_backend, args.max_logprobs, tracer)
     identity = NodeIdentity(name, Role.PREFILL, address, args.model, layout_hash, args.kv_backend, args.hash_seed,
                             loop.incarnation, pod_uid=environment.pod_uid() or "")
 
+    def close() -> None:
+        close_node(connector, engine, store)
+        tracer.shutdown()  # the spans still buffered go out
+
     run_node(args, async_engine, identity,
-             lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(service, server),
-             lambda: close_node(connector, engine, store), store=store)
+             lambda server: tandem_pb2_grpc.add_PrefillServiceServicer_to_server(service, server), close, store=store)
 
 
 if __name__ == "__main__":

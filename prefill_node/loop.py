@@ -16,6 +16,11 @@ A request's life on a prefill node (P):
 6. `Abort` frees the request at any stage (`abort`), also when the RPC is cancelled while the request is
    being added. A lease past its deadline is freed by the ticker and counted: KV is never stranded on P.
    Tickets of an earlier incarnation (P restarted) are refused.
+
+Timings (wire.PrefillTimings, back with the first token): queue is the RPC's arrival (step 1) to the engine step
+that first schedules the prompt (step 2), prefill that step to the first token. The engine thread stamps a watched
+request each loop iteration while it is WAITING, just before the step that may schedule it: its last stamp is the
+start of that step.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd
 from engine.llm_engine import LLMEngine, PinnedBlocks
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.types import FinishReason, SamplingParams, StepOutput
 from node_common.store_tier import StoreTier
-from wire import KVTicket
+from wire import KVTicket, PrefillTimings
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +65,15 @@ class PrefillResult:
     first: StepOutput
     ticket: KVTicket | None  # None when the first token finished the request
     num_cached_tokens: int
+    timings: PrefillTimings
+
+
+@dataclass
+class _Waiting:
+    """A prefill not yet scheduled, and when the engine thread last saw it waiting (time.monotonic())."""
+
+    request: Request
+    last_seen: float
 
 
 class PrefillLoop:
@@ -83,6 +97,9 @@ class PrefillLoop:
         self.num_leases_expired = 0
         # lease deadlines are seconds long: an idle engine's rest between ticks is precise enough
         engine.add_ticker(self._expire_leases, in_flight=lambda: False)
+        # by request id, on the engine thread only: the requests whose queue time is still running
+        self._waiting: dict[str, _Waiting] = {}
+        engine.add_ticker(self._stamp_waiting, in_flight=lambda: False)
 
     @property
     def num_pinned(self) -> int:
@@ -91,8 +108,10 @@ class PrefillLoop:
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       deadline: float | None) -> PrefillResult:
         # One token here: min_tokens >= 1 suppresses EOS for the first token exactly as the full request would.
+        arrival = time.monotonic()
         first_params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1),
                                            stop=[])
+        waiting: list[_Waiting] = []  # set on the engine thread when the request is added
         try:  # a constrained request's grammar compiles off the engine thread (engine/async_engine.py)
             await self.engine.compile_structured_output(params)
         except ValueError as e:
@@ -107,7 +126,10 @@ class PrefillLoop:
                 def add(e: LLMEngine) -> Request:
                     if self.store is not None:
                         self.store.stage(e, staged)
-                    return e.add_request(request_id, prompt_token_ids, first_params, pin_blocks=True)
+                    added_request = e.add_request(request_id, prompt_token_ids, first_params, pin_blocks=True)
+                    waiting.append(_Waiting(added_request, time.monotonic()))
+                    self._waiting[request_id] = waiting[0]
+                    return added_request
 
                 request = await self.engine.call(add)
             except ValueError as e:
@@ -115,6 +137,7 @@ class PrefillLoop:
                 raise PrefillError("INVALID_ARGUMENT", str(e)) from e
             timeout = None if deadline is None else max(0.0, deadline - time.time())
             first = await asyncio.wait_for(events.get(), timeout)
+            first_at = time.monotonic()
         except BaseException as e:
             if added:  # cancelled or timed out: the request (and its blocks) must not outlive the RPC
                 await asyncio.shield(self.engine.call(lambda eng: self.engine.abort(eng, request_id)))
@@ -129,12 +152,15 @@ class PrefillLoop:
             raise PrefillError("INTERNAL", str(first))
 
         num_cached = request.num_prompt_cached_tokens
+        # the first token is out, so the request was scheduled: its last stamp as WAITING is that step's start
+        scheduled_at = waiting[0].last_seen
+        timings = PrefillTimings(queue_seconds=scheduled_at - arrival, prefill_seconds=first_at - scheduled_at)
         if self.store is not None:  # every prompt token is computed now (pinned, or cached once freed)
             self.store.publish(prompt_token_ids, len(prompt_token_ids))
         finished = _finishes_request(first, params, request.num_tokens >= request.max_num_tokens)
         if finished is not None:
             await self.engine.call(lambda e: e.free_pinned(request_id))
-            return PrefillResult(dataclasses.replace(first, finish_reason=finished), None, num_cached)
+            return PrefillResult(dataclasses.replace(first, finish_reason=finished), None, num_cached, timings)
         ticket_id = f"{self.node_id}:{request_id}:{uuid.uuid4().hex[:8]}"
         try:
             ticket = await self.engine.call(lambda e: self._lease(e, ticket_id, request_id))
@@ -142,7 +168,7 @@ class PrefillLoop:
             await asyncio.shield(self.abort(request_id))
             raise
         return PrefillResult(dataclasses.replace(first, finish_reason=None, stop_reason=None), ticket,
-                             num_cached)
+                             num_cached, timings)
 
     def _lease(self, engine: LLMEngine, ticket_id: str, request_id: str) -> KVTicket:
         pinned = engine.pinned_blocks(request_id)
@@ -189,6 +215,18 @@ class PrefillLoop:
             return self.engine.abort(engine, request_id)
 
         return await self.engine.call(abort)
+
+    def _stamp_waiting(self, engine: LLMEngine) -> None:
+        """Runs before every engine step: stamps the watched requests still WAITING and stops watching the others
+        (scheduled, or gone), whose last stamp is the start of the step that scheduled them."""
+        if not self._waiting:
+            return
+        now = time.monotonic()
+        for request_id, waiting in list(self._waiting.items()):
+            if waiting.request.status is RequestStatus.WAITING:
+                waiting.last_seen = now
+            else:
+                del self._waiting[request_id]
 
     def _expire_leases(self, engine: LLMEngine) -> None:
         now = time.time()

@@ -12,7 +12,8 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from node_common.limits import DEFAULT_MAX_LOGPROBS, check_limits
 from node_common.load import engine_stats
-from prefill_node.loop import PrefillError, PrefillLoop
+from node_common.tracing import NO_SPAN, NO_TRACER, Span, SpanKind, Tracer, now_ns, seconds_to_ns
+from prefill_node.loop import PrefillError, PrefillLoop, PrefillResult
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import (
@@ -30,8 +31,9 @@ logger = logging.getLogger(__name__)
 
 class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
     def __init__(self, loop: PrefillLoop, engine: AsyncEngine, layout_hash: str, model: str, kv_backend: str,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, tracer: Tracer = NO_TRACER) -> None:
         self.loop = loop
+        self.tracer = tracer
         self.engine = engine
         self.layout_hash = layout_hash
         self.model = model
@@ -49,12 +51,23 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if deadline is not None and deadline <= time.time():
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline has already passed")
+        started_ns = now_ns()
+        span = self._span(request, context, started_ns)
         try:
             result = await self.loop.prefill(request.request_id, list(request.prompt_token_ids), params, deadline)
         except PrefillError as e:
+            span.set_error(str(e))
+            span.end()
             await context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        except BaseException:
+            span.set_error("cancelled")
+            span.end()
+            raise
+        _record_phases(span, started_ns, result)
+        timings = result.timings
         response = pb.PrefillResponse(first_token=result.first.token_id, num_cached_tokens=result.num_cached_tokens,
-                                      finish_reason=str(result.first.finish_reason or ""))
+                                      finish_reason=str(result.first.finish_reason or ""),
+                                      queue_seconds=timings.queue_seconds, prefill_seconds=timings.prefill_seconds)
         first_logprobs = logprobs_to_proto(result.first.logprobs)
         if first_logprobs is not None:
             response.first_logprobs.CopyFrom(first_logprobs)
@@ -63,6 +76,14 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
         if result.ticket is not None:
             response.ticket.CopyFrom(ticket_to_proto(result.ticket))
         return response
+
+    def _span(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext, started_ns: int) -> Span:
+        if not self.tracer.enabled:  # no metadata read, no attributes built
+            return NO_SPAN
+        return self.tracer.start(
+            "prefill_node.Prefill", SpanKind.SERVER, parent=tuple(context.invocation_metadata() or ()),
+            attributes={"tandem.request_id": request.request_id, "tandem.node_id": self.loop.node_id,
+                        "tandem.num_prompt_tokens": len(request.prompt_token_ids)}, start_ns=started_ns)
 
     async def Release(self, request: pb.TicketRef, context: grpc.aio.ServicerContext) -> pb.LeaseResponse:
         return pb.LeaseResponse(ok=await self.loop.release(request.ticket_id, request.incarnation))
@@ -86,3 +107,18 @@ class PrefillService(tandem_pb2_grpc.PrefillServiceServicer):
                                        num_leases_expired=self.loop.num_leases_expired)
 
         return stats_to_proto(await self.engine.call(stats))
+
+
+def _record_phases(span: Span, started_ns: int, result: PrefillResult) -> None:
+    """The request's phases on this node as children of its span (from its start: the loop's arrival is a few
+    checks later), which ends now, once the first token and the ticket are ready."""
+    if not span.recording:
+        return
+    prefill_start = started_ns + seconds_to_ns(result.timings.queue_seconds)
+    span.record_child("prefill_node.queue", started_ns, prefill_start)
+    first_token_ns = prefill_start + seconds_to_ns(result.timings.prefill_seconds)
+    span.record_child("prefill_node.prefill", prefill_start, first_token_ns,
+                      {"tandem.num_cached_tokens": result.num_cached_tokens})
+    span.set_attributes({"tandem.num_cached_tokens": result.num_cached_tokens,
+                         "tandem.ticket_issued": result.ticket is not None})
+    span.end()

@@ -3,7 +3,8 @@
 [--block-size N --hash-seed S] [--config FILE] [--max-request-body-bytes N] [--tokenizer-threads N]
 [--max-retries N] [--health-check-interval S] [--health-check-timeout S]
 [--prefill-attempt-timeout S] [--decode-first-token-timeout S] [--max-n N] [--max-logprobs N] [--max-tokens-limit N]
-[--node-tls-ca FILE [--node-tls-cert FILE --node-tls-key FILE] [--node-tls-server-name NAME]]"""
+[--node-tls-ca FILE [--node-tls-cert FILE --node-tls-key FILE] [--node-tls-server-name NAME]]
+[--otlp-traces-endpoint URL]"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import uvicorn
 
 from engine.tokenizer import load_tokenizer
 from node_common.tls import ChannelSecurity, TLSFileError
+from node_common.tracing import make_tracer
 from proxy.api.app import ProxyState, create_app, read_max_model_len
 from proxy.api.auth import load_api_keys
 from proxy.api.limits import add_limit_args, limits_from_args
@@ -24,6 +26,7 @@ from proxy.routing.pd import add_routing_args, pipeline_from_args
 from settings import TREE_KEYS, ConfigError, HashingSettings, add_arguments, parse_args_with, resolve
 from settings import env as environment
 from settings.chat import ChatSettings
+from settings.cluster import TracingSettings
 from settings.tls import ClientTLSSettings
 
 
@@ -34,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     add_arguments(parser, HashingSettings)
     add_arguments(parser, ClientTLSSettings, config_flag=False)  # TLS to the nodes, declared with the nodes' own
     add_arguments(parser, ChatSettings, config_flag=False)  # tool-call and reasoning parsers, as tandem serve's
+    add_arguments(parser, TracingSettings, config_flag=False)  # --otlp-traces-endpoint, as the nodes'
     parser.add_argument("--model", required=True, help="model directory (for its tokenizer and context length)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
@@ -70,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
         parser.error(str(e))
     try:
         args.chat = resolve(ChatSettings, vars(args), environment.settings_layer(), TREE_KEYS)
+        args.tracing = resolve(TracingSettings, vars(args), environment.settings_layer(), TREE_KEYS)
     except ConfigError as e:
         parser.error(str(e))
     try:
@@ -83,7 +88,8 @@ def main() -> None:
     parser, args = parse_args()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = Path(args.model)
-    pipeline = pipeline_from_args(parser, args, args.node_security)
+    tracer = make_tracer(args.tracing.otlp_traces_endpoint, "tandem-proxy")
+    pipeline = pipeline_from_args(parser, args, args.node_security, tracer)
     default_name = model.stem if model.suffix == ".gguf" else model.name
     state = ProxyState(pipeline, load_tokenizer(model), args.served_model_name or default_name, args.request_timeout,
                        max_model_len=read_max_model_len(model, args.max_model_len), api_keys=args.api_keys,
@@ -91,6 +97,7 @@ def main() -> None:
                        tokenizer_threads=args.tokenizer_threads, limits=args.limits,
                        metrics_need_key=args.metrics_require_api_key, chat=args.chat)
     uvicorn.run(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower())
+    tracer.shutdown()  # the spans still buffered go out
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ command line) and handed to every node (and, for prefix hashing, the proxy) as f
     TransportSettings  how the KV transfer library reaches peers (per backend options, never os.environ)
     KVTierSettings     the host tier's size, the cluster KV store's address
     ClusterSettings    all that every node of the cluster takes: the three above, KV backend, dtype, KV cache dtype,
-                       drain timeout, and TLS (settings/tls.py: the nodes' servers, and their calls to other nodes)
+                       drain timeout, TLS (settings/tls.py: the nodes' servers, and their calls to other nodes) and
+                       TracingSettings (--otlp-traces-endpoint, which the proxy takes too)
 
 Defaults equal the offline API's (`engine.config.EngineConfig`), so a node and `LLM(...)` behave alike.
 """
@@ -135,6 +136,15 @@ def store_address(url: str) -> str:
 
 
 @dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry traces of each request across proxy, prefill and decode nodes (node_common/tracing.py)."""
+
+    otlp_traces_endpoint: str | None = setting(
+        None, "send OpenTelemetry spans to this OTLP/HTTP collector, as vLLM's flag, e.g. http://HOST:4318 "
+              "(default: no tracing)", metavar="URL")
+
+
+@dataclass(frozen=True)
 class ClusterSettings:
     hashing: HashingSettings = group(HashingSettings)
     kv_backend: str = setting(
@@ -153,6 +163,7 @@ class ClusterSettings:
     transport: TransportSettings = group(TransportSettings)
     tls: TLSSettings = group(TLSSettings)
     kv_tiers: KVTierSettings = group(KVTierSettings)
+    tracing: TracingSettings = group(TracingSettings)
 
 
 # A single machine's cluster: UCX on the loopback device, and without its InfiniBand modules (with Debian's ibverbs

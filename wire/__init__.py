@@ -9,6 +9,8 @@ here, once, as plain frozen dataclasses and enums:
   (`KVDelta`) nodes publish for the proxy's prefix index;
 - `wire.ticket`: the `KVTicket` a prefill node hands out for a prompt's pinned KV blocks, which the proxy
   passes to a decode node;
+- `wire.timings`: where a request's time went on each node (`PrefillTimings`, `DecodeTimings`), reported to
+  the proxy with the first token of each;
 - `wire.errors`: the error vocabulary shared across the boundary (`RETRYABLE_KEY`, `InvalidTicketError`).
 
 Standard library only: no torch, redis, grpc or protobuf, and nothing of ours, so every process (the
@@ -32,9 +34,11 @@ from wire.registry import (
     node_key,
 )
 from wire.ticket import KVTicket
+from wire.timings import DecodeTimings, PrefillTimings
 
 __all__ = [
-    "KV_EVENTS_STREAM", "NODE_KEY_PATTERN", "RECORD_VERSION", "RETRYABLE_KEY", "STREAM_MAX_LEN", "InvalidTicketError",
-    "KVDelta", "KVTicket", "NodeCapacity", "NodeIdentity", "NodeLoad", "NodeRecord", "NodeStats", "Role", "TierStats",
+    "KV_EVENTS_STREAM", "NODE_KEY_PATTERN", "RECORD_VERSION", "RETRYABLE_KEY", "STREAM_MAX_LEN", "DecodeTimings",
+    "InvalidTicketError", "KVDelta", "KVTicket", "NodeCapacity", "NodeIdentity", "NodeLoad", "NodeRecord", "NodeStats",
+    "PrefillTimings", "Role", "TierStats",
     "hash_fingerprint", "kv_set_key", "node_key",
 ]

@@ -76,6 +76,7 @@ def create_app(state: ProxyState) -> Starlette:
     state.metrics.cluster.decision_counts = lambda: state.pipeline.router.decision_counts
     state.metrics.cluster.attempt_counts = lambda: state.pipeline.attempts.counts
     state.metrics.cluster.migration_counts = lambda: state.pipeline.migrations.counts
+    state.pipeline.phases.sink = state.metrics.phases  # the phases nodes report, as histograms
     schema = openapi_schema(ServedAPI(state.served_model_name, len(state.tokenizer), state.max_model_len,
                                       state.max_request_body_bytes, bool(state.api_keys), state.limits,
                                       state.metrics_need_key))

@@ -5,6 +5,10 @@ Names are vLLM's under the `tandem:` prefix, each with a `model_name` label:
 - per request, measured at the proxy: time_to_first_token_seconds, inter_token_latency_seconds,
   e2e_request_latency_seconds, request_success_total{finished_reason}, prompt_tokens_total,
   generation_tokens_total, num_requests_running (sub-requests in flight here), request_errors_total{code};
+- where a disaggregated request's time goes, as its nodes report it (wire.timings, proxy.routing.phases):
+  request_queue_time_seconds and request_prefill_time_seconds (vLLM's names: on P), kv_handoff_seconds (D: the
+  Generate's arrival to the request admitted, its KV pulled and verified) and first_decode_step_seconds (D: the
+  admission to its first token); inter_token_latency_seconds above goes on from there;
 - routing: pd_decisions_total{mode}, read from the router's decision counts;
 - failures handled: attempts_abandoned_total{role, reason} (attempts the proxy gave up on: reason node_lost or
   timeout, proxy.routing.attempts) and request_retries_total{role} (failed or abandoned attempts retried, by the role
@@ -39,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from proxy.routing.attempts import AbandonReason, AttemptCounts
 from proxy.routing.directory import NodeDirectory, NodeView
 from proxy.routing.migration import MigrationOutcome
-from wire import NodeCapacity, NodeLoad, NodeStats, Role
+from wire import DecodeTimings, NodeCapacity, NodeLoad, NodeStats, PrefillTimings, Role
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+# A request's phases on the nodes: sub-millisecond (a GPU step, a KV pull over NVLink) to minutes (a queue).
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
 # The *_created series double every counter's output for no use here (vLLM turns them off too).
 prometheus_client.disable_created_metrics()
@@ -118,6 +125,32 @@ class RequestRecorder:
         self.metrics.running.dec()
 
 
+class PhaseHistograms:
+    """The phases the nodes report for each disaggregated request (proxy.routing.phases.PhaseSink)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        def histogram(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, ["model_name"], registry=registry,
+                             buckets=PHASE_BUCKETS).labels(model_name)
+
+        self.queue = histogram("tandem:request_queue_time_seconds", "Time on the prefill node from the Prefill's "
+                               "arrival to the engine step that first scheduled it.")
+        self.prefill = histogram("tandem:request_prefill_time_seconds", "Time on the prefill node from that step "
+                                 "to the first token.")
+        self.handoff = histogram("tandem:kv_handoff_seconds", "Time on the decode node from the Generate's arrival "
+                                 "to the request admitted: lease check, blocks, KV pull and checksums.")
+        self.first_step = histogram("tandem:first_decode_step_seconds", "Time on the decode node from the "
+                                    "admission to its first token.")
+
+    def observe_prefill(self, timings: PrefillTimings) -> None:
+        self.queue.observe(timings.queue_seconds)
+        self.prefill.observe(timings.prefill_seconds)
+
+    def observe_decode(self, timings: DecodeTimings) -> None:
+        self.handoff.observe(timings.handoff_seconds)
+        self.first_step.observe(timings.first_step_seconds)
+
+
 class ProxyMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
@@ -147,6 +180,7 @@ class ProxyMetrics:
                                          registry=r).labels(model_name)
         self.running = Gauge("tandem:num_requests_running", "Requests (choices) in flight at the proxy.", labels,
                              registry=r).labels(model_name)
+        self.phases = PhaseHistograms(model_name, r)
         self.cluster = ClusterCollector(model_name)
         r.register(self.cluster)
 

@@ -10,6 +10,7 @@ import grpc
 
 from engine.types import FinishReason, PositionLogprobs, PromptLogprobs, SamplingParams
 from node_common.tls import PLAINTEXT, ChannelSecurity
+from node_common.tracing import Metadata
 from protos import tandem_pb2 as pb
 from protos import tandem_pb2_grpc
 from protos.convert import (
@@ -20,7 +21,7 @@ from protos.convert import (
     ticket_from_proto,
     ticket_to_proto,
 )
-from wire import RETRYABLE_KEY, InvalidTicketError, KVTicket, NodeStats
+from wire import RETRYABLE_KEY, DecodeTimings, InvalidTicketError, KVTicket, NodeStats, PrefillTimings
 
 # A node that restarts is reachable again within a second: gRPC's default reconnect backoff grows to 2 minutes,
 # and a channel in backoff fails calls at once. A long prompt's prompt logprobs outgrow gRPC's default 4 MiB
@@ -62,6 +63,7 @@ class Prefilled:
     num_cached_tokens: int
     ticket: KVTicket | None  # None when the first token finished the request
     prompt_logprobs: PromptLogprobs | None = None  # when params.prompt_logprobs asked
+    timings: PrefillTimings | None = None  # where the time went on P (None: a fresh ticket's, not the request's)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Decoded:
     stop_token_id: int | None
     num_cached_tokens: int | None = None  # a colocated request's prefix hit on D (first output only)
     prompt_logprobs: PromptLogprobs | None = None  # a colocated request's, when asked (first output only)
+    timings: DecodeTimings | None = None  # a handed-off request's, on D's first output
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,12 @@ class PrefillClient(NodeClient):
         return tandem_pb2_grpc.PrefillServiceStub(self.channel)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      deadline: float) -> Prefilled:
+                      deadline: float, metadata: Metadata = ()) -> Prefilled:
+        """`metadata`: gRPC metadata sent along (the trace context of the caller's span)."""
         message = pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                     params=params_to_proto(params), deadline=deadline)
         try:
-            r = await self.stub.Prefill(message, timeout=max(0.1, deadline - time.time()))
+            r = await self.stub.Prefill(message, timeout=max(0.1, deadline - time.time()), metadata=metadata or None)
         except grpc.aio.AioRpcError as e:
             raise _error(f"prefill {self.address}", e) from e
         try:
@@ -145,7 +149,8 @@ class PrefillClient(NodeClient):
                             retryable=False) from e
         return Prefilled(r.first_token, logprobs_from_proto(r.first_logprobs),
                          FinishReason(r.finish_reason) if r.finish_reason else None, r.num_cached_tokens, ticket,
-                         prompt_logprobs_from_proto(r.prompt_logprobs) if r.HasField("prompt_logprobs") else None)
+                         prompt_logprobs_from_proto(r.prompt_logprobs) if r.HasField("prompt_logprobs") else None,
+                         PrefillTimings(r.queue_seconds, r.prefill_seconds))
 
     async def release(self, ticket: KVTicket, timeout: float = 2.0) -> None:
         ref = pb.TicketRef(ticket_id=ticket.ticket_id, incarnation=ticket.incarnation)
@@ -167,11 +172,12 @@ class DecodeClient(NodeClient):
         return tandem_pb2_grpc.DecodeServiceStub(self.channel)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prefilled: Prefilled | None, deadline: float, output_token_ids: Sequence[int] = ()
-                       ) -> AsyncIterator[Decoded]:
+                       prefilled: Prefilled | None, deadline: float, output_token_ids: Sequence[int] = (),
+                       metadata: Metadata = ()) -> AsyncIterator[Decoded]:
         """Streams the request's tokens from D. Without `prefilled` (colocated), D prefills the prompt itself
         and the stream starts with the first token; its first output carries D's prefix hit. `output_token_ids`
-        (colocated only): the tokens the request already generated elsewhere; the stream starts after them."""
+        (colocated only): the tokens the request already generated elsewhere; the stream starts after them. A handed-off
+        request's first output carries D's timings. `metadata`: gRPC metadata sent along (the trace context)."""
         message = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=params_to_proto(params), deadline=deadline,
                                      output_token_ids=output_token_ids)
@@ -179,7 +185,7 @@ class DecodeClient(NodeClient):
             assert prefilled.ticket is not None, "a prefilled request reaches D only with its ticket"
             message.ticket.CopyFrom(ticket_to_proto(prefilled.ticket))
             message.first_token = prefilled.first_token
-        call = self.stub.Generate(message, timeout=max(0.1, deadline - time.time()))
+        call = self.stub.Generate(message, timeout=max(0.1, deadline - time.time()), metadata=metadata or None)
         first = True
         try:
             async for r in call:
@@ -187,7 +193,9 @@ class DecodeClient(NodeClient):
                               FinishReason(r.finish_reason) if r.finish_reason else None,
                               r.stop_token_id if r.stop_token_id >= 0 else None,
                               r.num_cached_tokens if first and prefilled is None else None,
-                              prompt_logprobs_from_proto(r.prompt_logprobs) if r.HasField("prompt_logprobs") else None)
+                              prompt_logprobs_from_proto(r.prompt_logprobs) if r.HasField("prompt_logprobs") else None,
+                              DecodeTimings(r.handoff_seconds, r.first_step_seconds)
+                              if first and prefilled is not None else None)
                 first = False
         except grpc.aio.AioRpcError as e:
             raise _error(f"decode {self.address}", e) from e

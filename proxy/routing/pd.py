@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from engine.types import FinishReason, PositionLogprobs, PromptLogprobs, SamplingParams
 from node_common.tls import PLAINTEXT, ChannelSecurity
+from node_common.tracing import NO_TRACER, Tracer
 from proxy.routing.attempts import DEFAULT_ATTEMPT_TIMEOUT_S, AttemptLimits, Attempts, Retries
 from proxy.routing.cleanup import CleanupCalls
 from proxy.routing.clients import DecodeClient, NodeError, PrefillClient, Prefilled
@@ -48,6 +49,7 @@ from proxy.routing.directory import NodeDirectory, NodeView
 from proxy.routing.liveness import FAILED_CHECKS_TO_LOSE
 from proxy.routing.migration import DecodeStreamBroken, Migrations
 from proxy.routing.pd_states import LOOKING_FOR_PREFILL, Action, Event, State, Transition, failure_event, next_state
+from proxy.routing.phases import Phases
 from proxy.routing.router import Mode, Route, Router, RouterConfig, RoutingPolicy
 from wire import Role
 
@@ -70,8 +72,9 @@ class TokenChunk:
 
 class PDPipeline:
     def __init__(self, directory: NodeDirectory, router: Router, max_retries: int = 2,
-                 limits: AttemptLimits | None = None) -> None:
+                 limits: AttemptLimits | None = None, tracer: Tracer = NO_TRACER) -> None:
         self.directory = directory
+        self.phases = Phases(tracer)  # where requests' time goes: spans, and the nodes' timings to the metrics
         self.router = router
         self.max_retries = max_retries
         self.attempts = Attempts(directory.liveness, limits or AttemptLimits())
@@ -113,9 +116,11 @@ class PDPipeline:
             return self._colocated(decode, prompt_token_ids, params, deadline, retries, output_token_ids)
 
         chunks = self.migrations.continued(first, retries, deadline, resume)
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
+        with self.phases.request(request_id, len(prompt_token_ids)) as span:
+            span.set_attributes({"tandem.mode": route.mode.value})
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
 
     async def _colocated(self, decode: NodeView, prompt_token_ids: list[int], params: SamplingParams,
                          deadline: float, retries: Retries, output_token_ids: Sequence[int] = ()
@@ -132,8 +137,9 @@ class PDPipeline:
             while state is State.COLOCATED:
                 started = False
                 try:
-                    stream = self.directory.decode_client(decode).generate(attempt_id, prompt_token_ids, params,
-                                                                           None, deadline, output_token_ids)
+                    span = self.phases.attempt(retries.request_id, Role.DECODE, decode, attempt_id)
+                    stream = self.phases.decoded(span, self.directory.decode_client(decode).generate(
+                        attempt_id, prompt_token_ids, params, None, deadline, output_token_ids, span.metadata()))
                     with self.router.decoding(decode):
                         # D prefills the prompt itself: its first token takes a prefill's time
                         async for out in self.attempts.stream(decode, stream, self.attempts.limits.prefill_timeout_s):
@@ -207,8 +213,9 @@ class PDPipeline:
             while state is State.DECODING:
                 started = False
                 try:
-                    stream = self.directory.decode_client(decode).generate(attempt_id, prompt_token_ids, params,
-                                                                           prefilled, deadline)
+                    span = self.phases.attempt(retries.request_id, Role.DECODE, decode, attempt_id)
+                    stream = self.phases.decoded(span, self.directory.decode_client(decode).generate(
+                        attempt_id, prompt_token_ids, params, prefilled, deadline, metadata=span.metadata()))
                     with self.router.decoding(decode):
                         # until its first token D depends on `holder` too: it pulls the K/V from there
                         async for out in self.attempts.stream(decode, stream,
@@ -296,7 +303,8 @@ class PDPipeline:
             assert node is not None, f"{state.value} runs on a prefill node"
             attempt_id = retries.attempt_id(Role.PREFILL)
             try:
-                prefilled = await self._prefill(node, attempt_id, prompt_token_ids, params, deadline)
+                prefilled = await self._prefill(node, attempt_id, prompt_token_ids, params, deadline,
+                                                retries.request_id)
             except NodeError as e:
                 failure = e
             else:
@@ -312,12 +320,13 @@ class PDPipeline:
             state = step.state
 
     async def _prefill(self, node: NodeView, attempt_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       deadline: float) -> Prefilled:
+                       deadline: float, request_id: str) -> Prefilled:
         client = self.directory.prefill_client(node)
         with self.router.prefilling(node, len(prompt_token_ids)):
             try:
-                prefilled = await self.attempts.unary(
-                    node, client.prefill(attempt_id, prompt_token_ids, params, deadline),
+                span = self.phases.attempt(request_id, Role.PREFILL, node, attempt_id)
+                prefilled = await self.attempts.unary(node, self.phases.prefilled(
+                    span, client.prefill(attempt_id, prompt_token_ids, params, deadline, span.metadata())),
                     self.attempts.limits.prefill_timeout_s)
             except asyncio.CancelledError:
                 # the client went away mid-prefill: P may already hold (or be about to pin) blocks for it
@@ -381,7 +390,7 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
 
 
 def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                       security: ChannelSecurity = PLAINTEXT) -> PDPipeline:
+                       security: ChannelSecurity = PLAINTEXT, tracer: Tracer = NO_TRACER) -> PDPipeline:
     if not args.registry and not args.decode:
         parser.error("give --registry redis://HOST:PORT, or the nodes with --decode HOST:PORT (and --prefill)")
     if args.block_size <= 0 or args.colocate_max_tokens < 0 or args.max_retries < 0:
@@ -404,4 +413,4 @@ def pipeline_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(str(e))
     limits = AttemptLimits(prefill_timeout_s=args.prefill_attempt_timeout or None,
                            first_token_timeout_s=args.decode_first_token_timeout or None)
-    return PDPipeline(directory, Router(directory, config), max_retries=args.max_retries, limits=limits)
+    return PDPipeline(directory, Router(directory, config), max_retries=args.max_retries, limits=limits, tracer=tracer)

@@ -93,3 +93,14 @@ def test_the_proxy_colocates_as_the_layout_says_unless_the_proxy_args_say_otherw
     default = proxy_colocate_max_tokens(proxy_command(serve_config(), Path("/m"), "m", "redis://r", None))
     assert default == proxy_colocate_max_tokens(
         proxy_command(serve_config(), Path("/m"), "m", "redis://r", CpuLayout(4, 4, None)))
+
+
+def test_the_proxy_exports_traces_where_the_nodes_do() -> None:
+    """`tandem serve --otlp-traces-endpoint` reaches the proxy too: a trace without its root span is no trace."""
+    from proxy.__main__ import parse_args
+
+    traced = proxy_command(serve_config("--otlp-traces-endpoint", "http://collector:4318"), Path("/m"), "m",
+                           "redis://r")
+    assert parse_args(traced[3:])[1].otlp_traces_endpoint == "http://collector:4318"
+    untraced = proxy_command(serve_config(), Path("/m"), "m", "redis://r")
+    assert parse_args(untraced[3:])[1].otlp_traces_endpoint is None

@@ -64,7 +64,8 @@ class OracleDecode:
     cancelled: list[str] = field(default_factory=list)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, prefilled: Prefilled | None,
-                       deadline: float, output_token_ids: Sequence[int] = ()) -> AsyncIterator[Decoded]:
+                       deadline: float, output_token_ids: Sequence[int] = (), metadata: Sequence[tuple[str, str]] = ()
+                       ) -> AsyncIterator[Decoded]:
         self.calls.append(request_id)
         self.prompts.append(list(prompt))
         self.outputs.append(list(output_token_ids))

@@ -62,8 +62,8 @@ class FakePrefill:
     released: list[str] = field(default_factory=list)  # ticket ids
     aborted: list[str] = field(default_factory=list)
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float
-                      ) -> Prefilled:
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float,
+                      metadata: Sequence[tuple[str, str]] = ()) -> Prefilled:
         self.calls.append(request_id)
         failure = self.failures.pop(0) if self.failures else None
         if failure == HANG:
@@ -95,7 +95,8 @@ class FakeDecode:
     outputs: list[list[int]] = field(default_factory=list)  # the output_token_ids of each call
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, prefilled: Prefilled | None,
-                       deadline: float, output_token_ids: Sequence[int] = ()) -> AsyncIterator[Decoded]:
+                       deadline: float, output_token_ids: Sequence[int] = (), metadata: Sequence[tuple[str, str]] = ()
+                       ) -> AsyncIterator[Decoded]:
         self.calls.append(request_id)
         self.tickets.append(prefilled.ticket.ticket_id if prefilled is not None and prefilled.ticket else None)
         self.prompts.append(list(prompt))

@@ -29,8 +29,8 @@ def prompt_logprobs_of(node: str) -> PromptLogprobs:
 class Prefill(FakePrefill):
     asked: list[int | None] = field(default_factory=list)  # params.prompt_logprobs of each call
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float
-                      ) -> Prefilled:
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, deadline: float,
+                      metadata: Sequence[tuple[str, str]] = ()) -> Prefilled:
         self.asked.append(params.prompt_logprobs)
         prefilled = await super().prefill(request_id, prompt, params, deadline)
         if params.prompt_logprobs is None:
@@ -43,7 +43,8 @@ class Decode(FakeDecode):
     asked: list[int | None] = field(default_factory=list)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, prefilled: Prefilled | None,
-                       deadline: float, output_token_ids: Sequence[int] = ()) -> AsyncIterator[Decoded]:
+                       deadline: float, output_token_ids: Sequence[int] = (), metadata: Sequence[tuple[str, str]] = ()
+                       ) -> AsyncIterator[Decoded]:
         self.asked.append(params.prompt_logprobs)
         first = True
         async for out in super().generate(request_id, prompt, params, prefilled, deadline, output_token_ids):
