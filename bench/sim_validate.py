@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmark.profile import Profile, load_profile  # noqa: E402
 from benchmark.sim import SimRequest, simulate  # noqa: E402
+from cluster.models import resolve_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TANDEM = [sys.executable, "-m", "cluster.cli"]
@@ -73,7 +74,7 @@ class Workload:
 SHAPES = {"colocated": Shape(0, 1, 0), "1p1d": Shape(1, 1, 0), "1p2d": Shape(1, 2, 0), "2p1d": Shape(2, 1, 0)}
 WORKLOADS = {
     "chat": Workload("chat 256/64, concurrency 4", 256, 64, 24, None, 4),
-    "long": Workload("long 1024/16, 0.5 req/s", 1024, 16, 20, 0.5, None),
+    "long": Workload("long 512/16, 0.2 req/s", 512, 16, 16, 0.2, None),
 }
 
 
@@ -104,7 +105,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def bench(port: int, workload: Workload, out_dir: Path, label: str) -> dict[str, Any]:
     name = f"{label}.json"
-    argv = [*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--result-dir", str(out_dir),
+    tokenizer = resolve_model(None, None)[0]  # the model `tandem serve` serves by default
+    argv = [*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(tokenizer),
+            "--result-dir", str(out_dir),
             "--result-filename", name, "--label", label, *workload.bench_args()]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -164,28 +167,33 @@ def main() -> None:
     parser.add_argument("--workloads", default="chat,long", help=f"of {','.join(WORKLOADS)}")
     parser.add_argument("--out", type=Path, required=True, help="Markdown file the table is appended to")
     parser.add_argument("--port", type=int, default=8311)
+    parser.add_argument("--resimulate", type=Path, default=None,
+                        help="a directory of an earlier run: simulate its bench results again, measure nothing")
     args = parser.parse_args()
     profile = load_profile(args.profile)
-    raw_dir = Path(tempfile.mkdtemp(prefix="sim-validate-"))
+    raw_dir = args.resimulate or Path(tempfile.mkdtemp(prefix="sim-validate-"))
     rows, raw = [], []
     for shape_key in args.shapes.split(","):
         shape = SHAPES[shape_key]
-        proc = serve(shape, args.port, raw_dir / f"serve-{shape_key}.log")
+        proc = None if args.resimulate else serve(shape, args.port, raw_dir / f"serve-{shape_key}.log")
         try:
             for key in args.workloads.split(","):
                 workload = WORKLOADS[key]
-                result = bench(args.port, workload, raw_dir, f"{shape_key}-{key}")
+                label = f"{shape_key}-{key}"
+                result = (json.loads((raw_dir / f"{label}.json").read_text()) if proc is None
+                          else bench(args.port, workload, raw_dir, label))
                 meas, sim = measured_numbers(result), simulated(profile, shape, workload, result)
                 rows.append((shape.name, workload.name, meas, sim))
                 raw.append({"shape": shape_key, "workload": key, "measured": meas, "simulated": sim,
                             "failed": result.get("failed", 0)})
                 print(f"{shape.name} / {workload.name}: measured {meas}\n  simulated {sim}", flush=True)
         finally:
-            stop(proc)
+            if proc is not None:
+                stop(proc)
     text = table(rows)
     print(text)
     with args.out.open("a") as f:
-        f.write(f"\n```bash\n{' '.join(sys.argv)}\n```\n\nprofile: {args.profile}\n\n{text}\n")
+        f.write(f"\n```bash\n.venv/bin/python {' '.join(sys.argv)}\n```\n\nraw results: {raw_dir}\n\n{text}\n")
     args.out.with_suffix(".validation.json").write_text(json.dumps(raw, indent=1) + "\n")
 
 

@@ -123,30 +123,28 @@ class PromptSynthesizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A fast tokenizer from a model directory (its tokenizer.json) or a tokenizer.json file."""
+    """A fast tokenizer from a model directory (its tokenizer.json), a tokenizer.json file, or a GGUF file (or a
+    directory holding one: the vocabulary in its metadata, as the proxy reads it; `tandem serve`'s default model
+    is one). ValueError when there is none."""
+    from engine.gguf_config import find_gguf_file
+
     path = Path(path)
+    if find_gguf_file(path) is not None:
+        from engine.tokenizer import load_tokenizer as load_model_tokenizer  # here: benchmark/ imports no torch
+
+        try:
+            return load_model_tokenizer(path).backend_tokenizer  # type: ignore[no-any-return]
+        except (ValueError, AttributeError) as e:  # ModelConfigError is a ValueError
+            raise ValueError(f"no tokenizer at {path}: {e}") from None
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(f"no tokenizer.json at {path} (give --tokenizer a model directory or tokenizer.json)")
+        raise ValueError(f"no tokenizer.json at {path} (give --tokenizer a model directory, tokenizer.json or GGUF)")
     return Tokenizer.from_file(str(file))
 
 
 def prompt_synthesizer(model: Path, seed: int) -> PromptSynthesizer:
-    """Random prompts of exact token lengths from a model's tokenizer: a model directory, a tokenizer.json, or a
-    GGUF file (or a directory holding one: the vocabulary in its metadata, as the proxy reads it). ValueError when
-    there is none."""
-    from engine.gguf_config import find_gguf_file
-
-    try:
-        if find_gguf_file(model) is None:
-            tokenizer = load_tokenizer(model)
-        else:
-            from engine.tokenizer import load_tokenizer as load_model_tokenizer  # here: benchmark/ imports no torch
-
-            tokenizer = load_model_tokenizer(model).backend_tokenizer
-    except (ValueError, AttributeError) as e:  # ModelConfigError is a ValueError
-        raise ValueError(f"no tokenizer at {model}: {e}") from None
-    return PromptSynthesizer(tokenizer, random.Random(seed))
+    """Random prompts of exact token lengths from a model's tokenizer (`load_tokenizer`'s sources)."""
+    return PromptSynthesizer(load_tokenizer(model), random.Random(seed))
 
 
 def get_samples(config: DatasetConfig, tokenizer: Tokenizer | None) -> list[SampleRequest]:

@@ -17,7 +17,7 @@ from benchmark.sim.router import route
 from benchmark.sim.types import Controller, SimRequest, SimResult, TimelinePoint
 from cluster.planner.types import Decision, LoadWindow, PoolSizes
 
-ARRIVE, REACH, HANDOFF, STEP, READY, TICK = range(6)
+ARRIVE, REACH, HANDOFF, STEP, READY, TICK, WAKE = range(7)
 OVERLOADED = "Overloaded: every decode node is saturated"
 
 
@@ -60,6 +60,7 @@ class _Sim:
         self.now = 0.0
         self.end_s = 0.0
         self.busy: list[Node] = []  # nodes running a step
+        self.waking: set[int] = set()  # idle nodes with a WAKE event queued
         self.in_flight = 0
         self.resolved = 0
         self.backlog: deque[int] = deque()  # sends held back by the concurrency limit
@@ -79,7 +80,7 @@ class _Sim:
 
     def run(self) -> None:
         handlers = {ARRIVE: self.on_arrive, REACH: self.on_reach, HANDOFF: self.on_handoff, STEP: self.on_step,
-                    READY: self.on_ready, TICK: self.on_tick}
+                    READY: self.on_ready, TICK: self.on_tick, WAKE: self.on_wake}
         while self.events:
             t, _, kind, a, b = heapq.heappop(self.events)
             self.now = t
@@ -174,6 +175,19 @@ class _Sim:
         return 1.0 if self.cores <= 0 or busy <= self.cores else self.cores / busy
 
     def kick(self, node: Node) -> None:
+        """New work for `node`: an idle engine wakes after every request that reaches it at this same instant is
+        queued (a WAKE event behind them), so that requests sent together are batched together, as the engine's
+        loop batches what reached it while it slept; a busy one takes it at its next step."""
+        if node.step is not None or node.state is State.STOPPED or node.nid in self.waking:
+            return
+        self.waking.add(node.nid)
+        self.push(self.now, WAKE, node.nid)
+
+    def on_wake(self, nid: int, _: int) -> None:
+        self.waking.discard(nid)
+        self.start_step(self.nodes[nid])
+
+    def start_step(self, node: Node) -> None:
         if node.step is not None or node.state is State.STOPPED:
             return
         step = node.schedule()
@@ -216,7 +230,7 @@ class _Sim:
             return
         self.set_busy(node, None)
         self.on_tokens(node, node.finish_step(self.now))
-        self.kick(node)
+        self.start_step(node)
 
     # --- pools ---
 
