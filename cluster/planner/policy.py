@@ -9,8 +9,9 @@ Each interval:
    tokens / what a prefill node computes within the TTFT SLO); a correction from the observed latencies: a pool
    whose SLO the interval missed gets at least current x observed / SLO nodes (capped at twice as many).
 3. Rules: min/max per pool; a pool grows at once, but shrinks only when the smaller size would run below
-   `low_watermark` of its capacity (and no SLO was missed) for `down_windows` consecutive intervals; at most one
-   change per pool per `cooldown_s`.
+   `low_watermark` of its capacity (and no SLO was missed) for `down_windows` consecutive intervals that span at
+   least `down_after_s` (default: one cooldown; HPA's scale-down stabilisation: with short intervals a few quiet
+   ones in a row are noise, not a trend); at most one change per pool per `cooldown_s`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class PolicyConfig:
     utilisation: float = 0.8  # the share of a node's capacity the sizing plans for
     low_watermark: float = 0.6  # shrink only when the smaller size would run below this share
     down_windows: int = 3  # ... for this many consecutive intervals
+    down_after_s: float | None = None  # ... spanning at least this long (None: cooldown_s)
     alpha: float = 0.5  # EWMA weight of the newest interval
     trend_alpha: float = 0.3
     max_correction: float = 2.0  # the SLO correction asks for at most this many times the current nodes
@@ -77,6 +79,7 @@ def _ewma(old: float | None, new: float, alpha: float) -> float:
 class _PoolState:
     last_change_s: float = -math.inf
     low_windows: int = 0
+    low_since_s: float = math.inf  # start of the first of those intervals
 
 
 @dataclass
@@ -119,11 +122,11 @@ class Planner:
         if bounded != want:
             cause = "max" if want > high else "min"
         if bounded == current:
-            state.low_windows = 0
+            state.low_windows, state.low_since_s = 0, math.inf
             return PoolAction(role, current, current, "steady", detail)
         cooling = now - state.last_change_s < c.cooldown_s
         if bounded > current:
-            state.low_windows = 0
+            state.low_windows, state.low_since_s = 0, math.inf
             if cooling:
                 left = c.cooldown_s - (now - state.last_change_s)
                 return PoolAction(role, current, current, "cooldown", f"wants {bounded}, {left:.0f} s of cooldown "
@@ -135,16 +138,19 @@ class Planner:
         slo_missed = "slo_ttft" in needs or "slo_itl" in needs
         if utilisation <= c.low_watermark and not slo_missed:
             state.low_windows += 1
+            state.low_since_s = min(state.low_since_s, now - window.duration_s)
         else:
-            state.low_windows = 0
-        if state.low_windows < c.down_windows:
+            state.low_windows, state.low_since_s = 0, math.inf
+        low_for = now - state.low_since_s if state.low_windows else 0.0
+        down_after = c.cooldown_s if c.down_after_s is None else c.down_after_s
+        if state.low_windows < c.down_windows or low_for < down_after:
             return PoolAction(role, current, current, "hysteresis",
                               f"{bounded} nodes would run at {utilisation:.0%} ({state.low_windows}/{c.down_windows}"
-                              f" intervals below {c.low_watermark:.0%}); {detail}")
+                              f" intervals, {low_for:.0f}/{down_after:.0f} s below {c.low_watermark:.0%}); {detail}")
         if cooling:
             return PoolAction(role, current, current, "cooldown", f"wants {bounded}; {detail}")
         state.last_change_s = now
-        state.low_windows = 0
+        state.low_windows, state.low_since_s = 0, math.inf
         return PoolAction(role, current, bounded, "idle" if cause == "load" else cause,
                           f"{bounded} nodes run at {utilisation:.0%}; {detail}")
 

@@ -112,6 +112,25 @@ def test_scale_down_waits_for_consecutive_low_windows():
     assert steps[2].sizes == PoolSizes(1, 1) and action(steps[2], "decode").cause == "idle"
 
 
+def test_scale_down_waits_for_the_low_intervals_to_span_the_stabilisation_time():
+    """Short intervals: three quiet ones in a row are 3 x INTERVAL of evidence; shrinking also waits until the
+    quiet intervals span `down_after_s` (a cooldown by default), as HPA's scale-down stabilisation does."""
+    p = planner(cooldown_s=0, down_windows=3, down_after_s=5 * INTERVAL)
+    big = PoolSizes(6, 6)
+    steps = [p.decide((t + 1) * INTERVAL, window(0.1, start=t * INTERVAL), big) for t in range(5)]
+    assert all(s.sizes == big for s in steps[:4]), [s.sizes for s in steps]  # 4 intervals: not yet
+    assert "4/5" not in action(steps[3], "decode").detail and "s below" in action(steps[3], "decode").detail
+    assert steps[4].sizes == PoolSizes(1, 1)  # the fifth makes 5 x INTERVAL
+
+
+def test_the_stabilisation_time_defaults_to_the_cooldown():
+    p = planner(cooldown_s=4 * INTERVAL, down_windows=1)
+    big = PoolSizes(6, 6)
+    first = [p.decide((t + 1) * INTERVAL, window(0.1, start=t * INTERVAL), big) for t in range(3)]
+    assert all(s.sizes == big for s in first)
+    assert p.decide(4 * INTERVAL, window(0.1, start=3 * INTERVAL), big).sizes == PoolSizes(1, 1)
+
+
 def test_a_busy_window_resets_the_scale_down_count():
     p = planner(cooldown_s=0, down_windows=2)
     big = PoolSizes(4, 4)
