@@ -17,9 +17,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.planner_baselines import ThresholdAutoscaler  # noqa: E402
+from bench.serve_process import start_serve, stop_serve  # noqa: E402
 from benchmark.client import RequestOutput, RequestSettings, send_request  # noqa: E402
 from benchmark.datasets import SampleRequest, prompt_synthesizer  # noqa: E402
 from benchmark.profile import load_profile  # noqa: E402
@@ -41,8 +39,6 @@ from cluster.planner.loop import AdminScaler, PlannerLoop  # noqa: E402
 from cluster.planner.types import SLO, PoolSizes  # noqa: E402
 from cluster.state import read_state  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TANDEM = [sys.executable, "-m", "cluster.cli"]
 COUNTED = ("starting", "ready", "draining")
 
 
@@ -52,29 +48,6 @@ class Run:
     outputs: list[RequestOutput] = field(default_factory=list)
     node_seconds: float = 0.0
     sizes: list[tuple[float, int, int]] = field(default_factory=list)  # (t, prefill desired, decode desired)
-
-
-def start_serve(prefill: int, decode: int, extra: list[str], log: Path) -> subprocess.Popen[bytes]:
-    argv = [*TANDEM, "serve", "--prefill-nodes", str(prefill), "--decode-nodes", str(decode), "--node-threads", "1",
-            *extra]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while "Tandem is serving" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_serve(proc)
-            raise RuntimeError(f"tandem serve did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(1)
-    return proc
-
-
-def stop_serve(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 async def replay(requests: list[SimRequest], samples: list[SampleRequest], proxy_url: str, model: str,
@@ -194,7 +167,8 @@ def main() -> None:
                       "--slo-itl-ms", str(args.slo_itl_ms), "--planner-interval-s", str(args.interval_s),
                       "--planner-cooldown-s", str(args.cooldown_s), "--planner-max-prefill", str(limits.prefill),
                       "--planner-max-decode", str(limits.decode)]
-        proc = start_serve(sizes.prefill, sizes.decode, extra, tmp / f"serve-{mode}.log")
+        proc = start_serve(["--prefill-nodes", str(sizes.prefill), "--decode-nodes", str(sizes.decode),
+                            "--node-threads", "1", *extra], tmp / f"serve-{mode}.log")
         try:
             asyncio.run(measure(run, requests, samples, threshold, args.interval_s))
         finally:

@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.serve_process import REPO, TANDEM, start_serve, stop_serve  # noqa: E402
 from benchmark.profile import Profile, load_profile  # noqa: E402
 from benchmark.sim import SimRequest, simulate  # noqa: E402
 from cluster.models import resolve_model  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TANDEM = [sys.executable, "-m", "cluster.cli"]
 TOLERANCE = 0.20
 
 
@@ -59,10 +55,11 @@ class Workload:
     num_prompts: int
     rate: float | None  # requests/s (Poisson); None: closed loop at `concurrency`
     concurrency: int | None
+    seed: int  # each workload its own: the same seed draws the same leading tokens, a prefix-cache hit
 
     def bench_args(self) -> list[str]:
         args = ["--dataset-name", "random", "--random-input-len", str(self.input_len), "--random-output-len",
-                str(self.output_len), "--num-prompts", str(self.num_prompts), "--ignore-eos", "--seed", "7",
+                str(self.output_len), "--num-prompts", str(self.num_prompts), "--ignore-eos", "--seed", str(self.seed),
                 "--metric-percentiles", "50,90", "--save-result", "--save-detailed", "--disable-tqdm"]
         if self.rate is not None:
             args += ["--request-rate", str(self.rate)]
@@ -73,34 +70,15 @@ class Workload:
 
 SHAPES = {"colocated": Shape(0, 1, 0), "1p1d": Shape(1, 1, 0), "1p2d": Shape(1, 2, 0), "2p1d": Shape(2, 1, 0)}
 WORKLOADS = {
-    "chat": Workload("chat 256/64, concurrency 4", 256, 64, 24, None, 4),
-    "long": Workload("long 512/16, 0.2 req/s", 512, 16, 16, 0.2, None),
+    "chat": Workload("chat 256/64, concurrency 4", 256, 64, 24, None, 4, seed=7),
+    "long": Workload("long 512/16, 0.2 req/s", 512, 16, 16, 0.2, None, seed=8),
 }
 
 
 def serve(shape: Shape, port: int, log: Path) -> subprocess.Popen[bytes]:
-    argv = [*TANDEM, "serve", "--prefill-nodes", str(shape.prefill), "--decode-nodes", str(shape.decode),
-            "--node-threads", "1", "--port", str(port),
-            "--proxy-args", f"--colocate-max-tokens {shape.colocate_max_tokens}"]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while "Tandem is serving" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
-            raise RuntimeError(f"tandem serve {shape.name} did not start:\n{log.read_text()[-3000:]}")
-        time.sleep(1)
-    return proc
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return start_serve(["--prefill-nodes", str(shape.prefill), "--decode-nodes", str(shape.decode),
+                        "--node-threads", "1", "--port", str(port),
+                        "--proxy-args", f"--colocate-max-tokens {shape.colocate_max_tokens}"], log)
 
 
 def bench(port: int, workload: Workload, out_dir: Path, label: str) -> dict[str, Any]:
@@ -134,6 +112,9 @@ def simulated(profile: Profile, shape: Shape, workload: Workload, measured: dict
 
 
 def measured_numbers(result: dict[str, Any]) -> dict[str, float]:
+    if result.get("total_cached_tokens"):
+        raise RuntimeError(f"{result['label']}: {result['total_cached_tokens']} prompt tokens hit the prefix cache: "
+                           "the simulator computes every prompt token")
     out = {"output_throughput": float(result["output_throughput"])}
     for metric in ("ttft", "tpot"):
         for p in (50, 90):
@@ -189,7 +170,7 @@ def main() -> None:
                 print(f"{shape.name} / {workload.name}: measured {meas}\n  simulated {sim}", flush=True)
         finally:
             if proc is not None:
-                stop(proc)
+                stop_serve(proc)
     text = table(rows)
     print(text)
     with args.out.open("a") as f:
