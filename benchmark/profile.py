@@ -156,9 +156,15 @@ def profile_from_json(raw: Any, where: str = "profile") -> Profile:
 def prefill_schedule(prompt_tokens: int, batch: int, budget: int, max_seqs: int) -> list[tuple[int, int, float]]:
     """The steps that prefill `batch` equal prompts arriving together, as the scheduler packs them: (tokens, seqs,
     attended) per step, the budget filled in arrival order and a prompt split across steps where it overflows."""
+    return _pack(prompt_tokens, batch, budget, max_seqs)[0]
+
+
+def _pack(prompt_tokens: int, batch: int, budget: int, max_seqs: int) -> tuple[list[tuple[int, int, float]], list[int]]:
+    """prefill_schedule's steps, and the index of the step in which each prompt is done (in finishing order)."""
     remaining = [prompt_tokens] * batch
     done = [0] * batch
     steps: list[tuple[int, int, float]] = []
+    finished_in: list[int] = []
     while any(remaining):
         budget_left, seqs, pairs = budget, 0, 0.0
         for i in range(batch):
@@ -170,8 +176,10 @@ def prefill_schedule(prompt_tokens: int, batch: int, budget: int, max_seqs: int)
             remaining[i] -= n
             budget_left -= n
             seqs += 1
+            if not remaining[i]:
+                finished_in.append(len(steps))
         steps.append((budget - budget_left, seqs, pairs))
-    return steps
+    return steps, finished_in
 
 
 def fit(node: NodeSpec, points: Points) -> tuple[StepCost, float, float, float]:
@@ -206,22 +214,8 @@ def fit(node: NodeSpec, points: Points) -> tuple[StepCost, float, float, float]:
 
 def _median_finish_step(prompt_tokens: int, batch: int, budget: int, max_seqs: int) -> int:
     """Index of the step in which the median request of the batch gets its last prompt token computed."""
-    finished_by_step: list[int] = []
-    remaining = [prompt_tokens] * batch
-    step = 0
-    while any(remaining):
-        budget_left, seqs = budget, 0
-        for i in range(batch):
-            if not remaining[i] or budget_left == 0 or seqs == max_seqs:
-                continue
-            n = min(remaining[i], budget_left)
-            remaining[i] -= n
-            budget_left -= n
-            seqs += 1
-            if not remaining[i]:
-                finished_by_step.append(step)
-        step += 1
-    return finished_by_step[(len(finished_by_step) - 1) // 2]
+    finished_in = _pack(prompt_tokens, batch, budget, max_seqs)[1]
+    return finished_in[(len(finished_in) - 1) // 2]
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> list[float]:

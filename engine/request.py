@@ -88,6 +88,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_prompt_cached_tokens: int = 0  # prefix-cache hit when first scheduled
+    first_scheduled_at: float | None = None  # time.monotonic() of the schedule() that first took it (queue time)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None  # set when it finishes (a pinned request keeps it too)
     stop_token_id: int | None = None  # the stop token id that finished it (None for EOS or no stop token)

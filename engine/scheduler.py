@@ -25,6 +25,7 @@ the sample after them (each its own StepOutput, stopping at the first that finis
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -190,6 +191,8 @@ class Scheduler:
             if request.status is RequestStatus.WAITING and hit.num_blocks:
                 request.num_prompt_cached_tokens = hit.num_blocks * self.kv.block_size
             self.waiting.popleft()
+            if request.first_scheduled_at is None:
+                request.first_scheduled_at = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._schedule(request, num_new, out)

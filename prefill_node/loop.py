@@ -18,9 +18,8 @@ A request's life on a prefill node (P):
    Tickets of an earlier incarnation (P restarted) are refused.
 
 Timings (wire.PrefillTimings, back with the first token): queue is the RPC's arrival (step 1) to the engine step
-that first schedules the prompt (step 2), prefill that step to the first token. The engine thread stamps a watched
-request each loop iteration while it is WAITING, just before the step that may schedule it: its last stamp is the
-start of that step.
+that first schedules the prompt (step 2, the engine's Request.first_scheduled_at), prefill that step to the first
+token.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine, RequestAborted, StreamEnd
 from engine.llm_engine import LLMEngine, PinnedBlocks
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.types import FinishReason, SamplingParams, StepOutput
 from node_common.store_tier import StoreTier
 from wire import KVTicket, PrefillTimings
@@ -68,14 +67,6 @@ class PrefillResult:
     timings: PrefillTimings
 
 
-@dataclass
-class _Waiting:
-    """A prefill not yet scheduled, and when the engine thread last saw it waiting (time.monotonic())."""
-
-    request: Request
-    last_seen: float
-
-
 class PrefillLoop:
     def __init__(self, engine: AsyncEngine, node_id: str, lease_s: float,
                  make_ticket: Callable[[str, PinnedBlocks, float], KVTicket], store: StoreTier | None = None) -> None:
@@ -97,9 +88,6 @@ class PrefillLoop:
         self.num_leases_expired = 0
         # lease deadlines are seconds long: an idle engine's rest between ticks is precise enough
         engine.add_ticker(self._expire_leases, in_flight=lambda: False)
-        # by request id, on the engine thread only: the requests whose queue time is still running
-        self._waiting: dict[str, _Waiting] = {}
-        engine.add_ticker(self._stamp_waiting, in_flight=lambda: False)
 
     @property
     def num_pinned(self) -> int:
@@ -111,7 +99,6 @@ class PrefillLoop:
         arrival = time.monotonic()
         first_params = dataclasses.replace(params, n=1, max_tokens=1, min_tokens=min(params.min_tokens, 1),
                                            stop=[])
-        waiting: list[_Waiting] = []  # set on the engine thread when the request is added
         try:  # a constrained request's grammar compiles off the engine thread (engine/async_engine.py)
             await self.engine.compile_structured_output(params)
         except ValueError as e:
@@ -126,10 +113,7 @@ class PrefillLoop:
                 def add(e: LLMEngine) -> Request:
                     if self.store is not None:
                         self.store.stage(e, staged)
-                    added_request = e.add_request(request_id, prompt_token_ids, first_params, pin_blocks=True)
-                    waiting.append(_Waiting(added_request, time.monotonic()))
-                    self._waiting[request_id] = waiting[0]
-                    return added_request
+                    return e.add_request(request_id, prompt_token_ids, first_params, pin_blocks=True)
 
                 request = await self.engine.call(add)
             except ValueError as e:
@@ -152,8 +136,8 @@ class PrefillLoop:
             raise PrefillError("INTERNAL", str(first))
 
         num_cached = request.num_prompt_cached_tokens
-        # the first token is out, so the request was scheduled: its last stamp as WAITING is that step's start
-        scheduled_at = waiting[0].last_seen
+        # the first token is out, so the request was scheduled (the engine thread set this before it)
+        scheduled_at = request.first_scheduled_at if request.first_scheduled_at is not None else first_at
         timings = PrefillTimings(queue_seconds=scheduled_at - arrival, prefill_seconds=first_at - scheduled_at)
         if self.store is not None:  # every prompt token is computed now (pinned, or cached once freed)
             self.store.publish(prompt_token_ids, len(prompt_token_ids))
@@ -215,18 +199,6 @@ class PrefillLoop:
             return self.engine.abort(engine, request_id)
 
         return await self.engine.call(abort)
-
-    def _stamp_waiting(self, engine: LLMEngine) -> None:
-        """Runs before every engine step: stamps the watched requests still WAITING and stops watching the others
-        (scheduled, or gone), whose last stamp is the start of the step that scheduled them."""
-        if not self._waiting:
-            return
-        now = time.monotonic()
-        for request_id, waiting in list(self._waiting.items()):
-            if waiting.request.status is RequestStatus.WAITING:
-                waiting.last_seen = now
-            else:
-                del self._waiting[request_id]
 
     def _expire_leases(self, engine: LLMEngine) -> None:
         now = time.time()
